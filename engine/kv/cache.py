@@ -1,0 +1,117 @@
+"""KV cache objects. The model never looks inside: each attention layer calls `attend` on its
+layer cache with the new tokens' q, k, v and gets the attention output back."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from .attention import grouped_attention
+
+
+class LayerKVCache(ABC):
+    """One layer's keys and values for one sequence."""
+
+    offset: int  # tokens stored so far (= the next token's position)
+
+    @abstractmethod
+    def attend(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, window: int | None
+    ) -> np.ndarray:
+        """Store k, v for the T new tokens (positions offset .. offset+T-1), then attend.
+
+        Args:
+            q: (T, H, D) float32; k: (T, Hkv, D); v: (T, Hkv, Dv).
+        Returns:
+            (T, H, Dv) float32: each new token attends causally to every stored token it sees.
+        """
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of the buffers actually allocated."""
+
+    @abstractmethod
+    def trim(self, n: int) -> None:
+        """Forget the last n tokens."""
+
+
+class FullPrecisionLayerCache(LayerKVCache):
+    """K and V rounded to float16 (as llama.cpp's default cache) in a growing buffer."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int = 256):
+        self.n_kv_heads, self.head_dim, self.value_dim = n_kv_heads, head_dim, value_dim
+        self.offset = 0
+        self._keys = np.empty((n_kv_heads, capacity, head_dim), np.float16)  # (Hkv, cap, D)
+        self._values = np.empty((n_kv_heads, capacity, value_dim), np.float16)  # (Hkv, cap, Dv)
+
+    def _reserve(self, n_tokens: int) -> None:
+        capacity = self._keys.shape[1]
+        if n_tokens <= capacity:
+            return
+        new_capacity = max(n_tokens, capacity * 2)
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            new = np.empty((old.shape[0], new_capacity, old.shape[2]), old.dtype)
+            new[:, : self.offset] = old[:, : self.offset]
+            setattr(self, name, new)
+
+    def attend(self, q, k, v, *, scale, window):
+        T = q.shape[0]
+        start = self.offset
+        self._reserve(start + T)
+        self._keys[:, start : start + T] = k.transpose(1, 0, 2)
+        self._values[:, start : start + T] = v.transpose(1, 0, 2)
+        self.offset = start + T
+        # A sliding-window layer's first query never sees further back than window - 1 tokens.
+        first = 0 if window is None else max(0, start - window + 1)
+        q_positions = np.arange(start, start + T)
+        k_positions = np.arange(first, self.offset)
+        return grouped_attention(
+            q,
+            self._keys[:, first : self.offset],
+            self._values[:, first : self.offset],
+            q_positions,
+            k_positions,
+            scale=scale,
+            window=window,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._values.nbytes
+
+    def trim(self, n: int) -> None:
+        self.offset = max(0, self.offset - n)
+
+
+class KVCache:
+    """All layers' caches for one sequence."""
+
+    def __init__(self, layers: list[LayerKVCache]):
+        self.layers = layers
+
+    def __getitem__(self, i: int) -> LayerKVCache:
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def offset(self) -> int:
+        return self.layers[0].offset if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def trim(self, n: int) -> None:
+        for layer in self.layers:
+            layer.trim(n)
+
+
+def FullPrecisionCache(n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int | None = None) -> KVCache:
+    """A plain float16 cache for every layer."""
+    value_dim = head_dim if value_dim is None else value_dim
+    return KVCache([FullPrecisionLayerCache(n_kv_heads, head_dim, value_dim) for _ in range(n_layers)])

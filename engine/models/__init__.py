@@ -1,0 +1,32 @@
+"""Architectures, one module each, found by the GGUF's `general.architecture` name."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from ..gguf_file import GGUFError, GGUFFile
+from .base import BaseModel
+
+_NOT_ARCHITECTURES = {"base"}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_ARCHITECTURES)
+
+
+class UnsupportedArchitecture(GGUFError):
+    pass
+
+
+def load_model(gguf: GGUFFile) -> BaseModel:
+    """Build the model the file's `general.architecture` names."""
+    arch = gguf.architecture
+    module_name = arch.replace("-", "_")
+    if module_name in _NOT_ARCHITECTURES or module_name not in supported_architectures():
+        raise UnsupportedArchitecture(
+            f"{gguf.path.name}: architecture {arch!r} is not supported; supported: "
+            + ", ".join(supported_architectures())
+        )
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    return module.Model.from_gguf(gguf)

@@ -1,0 +1,112 @@
+"""Pieces every architecture shares: norms, RoPE, activations, and the forward-pass skeleton."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from ..kv.cache import FullPrecisionCache, KVCache
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x (..., D) / sqrt(mean(x²) + eps) * weight (D,)."""
+    ms = np.mean(np.square(x), axis=-1, keepdims=True)
+    return x * (1.0 / np.sqrt(ms + np.float32(eps))) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return 0.5 * x * (1.0 + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+
+
+def rope_tables(positions: np.ndarray, dim: int, base: float, freq_scale: float = 1.0):
+    """cos, sin of shape (T, dim // 2) for rotating pairs i = 0 .. dim/2 - 1."""
+    inv_freq = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)  # (dim/2,)
+    angles = (positions.astype(np.float64) * freq_scale)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+    """Rotate x (T, heads, dim) by position.
+
+    neox=False: pairs are adjacent (x[2i], x[2i+1]) — llama in GGUF (converter permuted Q/K rows).
+    neox=True:  pairs are halves (x[i], x[i + dim/2]) — gemma3, qwen2, ...
+    """
+    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, dim/2)
+    if neox:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * c - b * s
+    out[..., 1::2] = a * s + b * c
+    return out
+
+
+class BaseModel(ABC):
+    """A decoder-only transformer. Subclasses build layers from GGUF tensors and define `hidden`.
+
+    Attributes every architecture sets: n_layers, n_heads, n_kv_heads, head_dim, value_dim,
+    vocab_size, context_length, dim.
+    """
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    value_dim: int
+    vocab_size: int
+    context_length: int
+    dim: int
+    architecture: str
+
+    @classmethod
+    @abstractmethod
+    def from_gguf(cls, gguf) -> "BaseModel": ...
+
+    @abstractmethod
+    def hidden(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Run the layers over new tokens (T,) appended to `cache`; returns (T, dim) after the
+        final norm."""
+
+    @abstractmethod
+    def output(self, h: np.ndarray) -> np.ndarray:
+        """(n, dim) → (n, vocab) logits."""
+
+    def forward(self, tokens, cache: KVCache, logits_for: str | np.ndarray = "last") -> np.ndarray:
+        """Append `tokens` to `cache` and return logits.
+
+        Args:
+            tokens: (T,) token ids, positions cache.offset .. cache.offset + T - 1.
+            logits_for: "last" → (1, vocab); "all" → (T, vocab); an index array → (n, vocab).
+                Only those rows go through the (vocab × dim) output projection.
+        """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        h = self.hidden(tokens, cache)
+        if isinstance(logits_for, str):
+            if logits_for == "last":
+                h = h[-1:]
+            elif logits_for != "all":
+                raise ValueError(f"logits_for must be 'last', 'all' or indices, not {logits_for!r}")
+        else:
+            h = h[np.asarray(logits_for)]
+        if h.shape[0] == 0:
+            return np.empty((0, self.vocab_size), np.float32)
+        return self.output(h)
+
+    def kv_bytes_per_token(self, bytes_per_value: float = 2.0) -> float:
+        """K + V bytes per token over all layers at `bytes_per_value` (2 = float16)."""
+        return self.n_layers * self.n_kv_heads * (self.head_dim + self.value_dim) * bytes_per_value
+
+    def new_cache(self) -> KVCache:
+        return FullPrecisionCache(self.n_layers, self.n_kv_heads, self.head_dim, self.value_dim)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer, or None for full attention."""
+        return None

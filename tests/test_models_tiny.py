@@ -1,0 +1,125 @@
+"""Tiny random-weight models: cache equivalence, sliding windows, weight types."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as QT
+from gguf.quants import dequantize
+
+from engine.gguf_file import GGUFFile
+from engine.models import load_model
+from engine.weights import WeightStore
+
+from .tiny_gguf import write_tiny_model
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(request, tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf", request.param)
+    return load_model(GGUFFile(path))
+
+
+def test_prefill_in_chunks_and_decode_agree_with_one_pass(tiny):
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, tiny.vocab_size, size=40)
+    whole = tiny.forward(ids, tiny.new_cache(), "all")
+    assert whole.shape == (40, tiny.vocab_size)
+
+    cache = tiny.new_cache()
+    parts = [tiny.forward(ids[s : s + 7], cache, "all") for s in range(0, 40, 7)]
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=1e-3, atol=2e-3)
+    assert cache.offset == 40
+
+    cache = tiny.new_cache()
+    steps = [tiny.forward(ids[i : i + 1], cache, "last") for i in range(40)]
+    np.testing.assert_allclose(np.concatenate(steps), whole, rtol=1e-3, atol=2e-3)
+
+
+def test_logits_only_where_asked(tiny):
+    ids = np.arange(3, 23)
+    whole = tiny.forward(ids, tiny.new_cache(), "all")
+    last = tiny.forward(ids, tiny.new_cache(), "last")
+    some = tiny.forward(ids, tiny.new_cache(), np.array([0, 5, 19]))
+    none = tiny.forward(ids, tiny.new_cache(), np.empty(0, np.int64))
+    np.testing.assert_allclose(last, whole[-1:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(some, whole[[0, 5, 19]], rtol=1e-5, atol=1e-5)
+    assert none.shape == (0, tiny.vocab_size)
+
+
+def test_trim_then_refill_reproduces_logits(tiny):
+    ids = np.arange(3, 33)
+    cache = tiny.new_cache()
+    first = tiny.forward(ids, cache, "all")
+    cache.trim(10)
+    assert cache.offset == 20
+    again = tiny.forward(ids[20:], cache, "all")
+    np.testing.assert_allclose(again, first[20:], rtol=1e-3, atol=2e-3)
+
+
+def test_gemma3_sliding_window_bounds_what_a_position_sees(tmp_path):
+    # Two layers, both local (window 8): position p depends on tokens p-14 .. p only.
+    model = load_model(GGUFFile(write_tiny_model(tmp_path / "g.gguf", "gemma3", sliding_window=8)))
+    assert model.layer_window(0) == 8 and model.layer_window(1) == 8
+    rng = np.random.default_rng(2)
+    ids = rng.integers(3, model.vocab_size, size=40)
+    changed = ids.copy()
+    changed[0] = (ids[0] + 1) % model.vocab_size
+    a = model.forward(ids, model.new_cache(), "all")
+    b = model.forward(changed, model.new_cache(), "all")
+    np.testing.assert_allclose(a[15:], b[15:], rtol=1e-5, atol=1e-5)
+    assert np.abs(a[1:8] - b[1:8]).max() > 1e-3
+
+
+def test_gemma3_global_layers_every_sixth(tmp_path):
+    model = load_model(GGUFFile(write_tiny_model(tmp_path / "g.gguf", "gemma3", n_layers=12)))
+    assert [i for i in range(12) if model.layer_window(i) is None] == [5, 11]
+
+
+@pytest.mark.parametrize("qtype,tol", [
+    (QT.F16, 0.01), (QT.BF16, 0.05), (QT.Q8_0, 0.05), (QT.Q5_1, 0.25), (QT.Q5_0, 0.25),
+    (QT.Q4_1, 0.5), (QT.Q4_0, 0.5),
+])
+def test_quantized_weights_give_nearly_the_f32_model(tmp_path, qtype, tol):
+    ref = load_model(GGUFFile(write_tiny_model(tmp_path / "f32.gguf", weight_type=QT.F32)))
+    quant = load_model(GGUFFile(write_tiny_model(tmp_path / "q.gguf", weight_type=qtype)))
+    ids = np.arange(3, 20)
+    a = ref.forward(ids, ref.new_cache(), "all")
+    b = quant.forward(ids, quant.new_cache(), "all")
+    rel = np.abs(a - b).mean() / np.abs(a).mean()
+    assert rel < tol, f"{qtype.name}: relative error {rel:.4f}"
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.Q4_1])
+def test_weight_store_reads_block_types_row_by_row(tmp_path, qtype):
+    """Rows come back as gguf's dequantizer gives them, shaped (out, in), for every block type
+    (K-quants written as random blocks with sane scales: gguf-py has no quantizer for them)."""
+    import gguf
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, cols = 24, 512
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
+    # Keep the f16 scale fields finite: put small f16 values in every 2-byte slot of the block's
+    # header area for K-quants (d/dmin at the start for Q4_K/Q5_K, at the end for Q6_K).
+    blocks = raw.reshape(rows, -1, size)
+    small = np.array([0.01], np.float16).view(np.uint8)
+    if qtype == QT.Q6_K:
+        blocks[..., size - 2 : size] = small
+    elif qtype in (QT.Q4_K, QT.Q5_K):
+        blocks[..., 0:2] = small
+        blocks[..., 2:4] = small
+    else:  # Q8_0 / Q4_1: f16 d (and m) lead each block
+        blocks[..., 0:2] = small
+        if qtype == QT.Q4_1:
+            blocks[..., 2:4] = small
+    path = tmp_path / "w.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("m.weight", raw, raw_dtype=qtype)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    lin = WeightStore(GGUFFile(path)).linear("m.weight", rows, cols)
+    expected = dequantize(raw, qtype).reshape(rows, cols)
+    assert lin.weight.shape == (rows, cols)
+    np.testing.assert_array_equal(lin.weight, expected)
+    assert np.isfinite(lin.weight).all()
