@@ -38,13 +38,17 @@ class LayerKVCache(ABC):
 
 
 class FullPrecisionLayerCache(LayerKVCache):
-    """K and V rounded to float16 (as llama.cpp's default cache) in a growing buffer."""
+    """K and V rounded to float16 values (as llama.cpp's default cache) in a growing buffer.
+
+    The rounded values are kept as float32: numpy's float16→float32 conversion of the whole
+    cache on every decode step cost more than all the matrix products together.
+    """
 
     def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int = 256):
         self.n_kv_heads, self.head_dim, self.value_dim = n_kv_heads, head_dim, value_dim
         self.offset = 0
-        self._keys = np.empty((n_kv_heads, capacity, head_dim), np.float16)  # (Hkv, cap, D)
-        self._values = np.empty((n_kv_heads, capacity, value_dim), np.float16)  # (Hkv, cap, Dv)
+        self._keys = np.empty((n_kv_heads, capacity, head_dim), np.float32)  # (Hkv, cap, D)
+        self._values = np.empty((n_kv_heads, capacity, value_dim), np.float32)  # (Hkv, cap, Dv)
 
     def _reserve(self, n_tokens: int) -> None:
         capacity = self._keys.shape[1]
@@ -61,8 +65,8 @@ class FullPrecisionLayerCache(LayerKVCache):
         T = q.shape[0]
         start = self.offset
         self._reserve(start + T)
-        self._keys[:, start : start + T] = k.transpose(1, 0, 2)
-        self._values[:, start : start + T] = v.transpose(1, 0, 2)
+        self._keys[:, start : start + T] = k.transpose(1, 0, 2).astype(np.float16)
+        self._values[:, start : start + T] = v.transpose(1, 0, 2).astype(np.float16)
         self.offset = start + T
         # A sliding-window layer's first query never sees further back than window - 1 tokens.
         first = 0 if window is None else max(0, start - window + 1)
