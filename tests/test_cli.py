@@ -1,0 +1,130 @@
+"""The `omlx` command line as external checks call it: output formats are a contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from .conftest import DATA, reference_json, reference_npz_path
+
+SMOL = "smollm2-135m-instruct"
+
+
+def omlx(*args: str, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.cli", *args],
+        capture_output=True, text=True, timeout=600, input=stdin, env=env,
+    )
+    return proc
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _models(smollm2_path, gemma3_path):
+    """Both catalog models are fetched before the CLI is called by name."""
+
+
+@pytest.mark.parametrize("name", [SMOL, "gemma3-270m"])
+def test_tokenize_prints_reference_ids(name):
+    ref = reference_json(name)
+    cases = ref["tokenize"]
+    for case in (cases[0], cases[18], cases[19], cases[11]):
+        plain = omlx("tokenize", name, case["text"])
+        assert plain.returncode == 0, plain.stderr
+        assert json.loads(plain.stdout) == case["ids_plain"]
+        both = omlx("tokenize", name, case["text"], "--special", "--bos")
+        assert json.loads(both.stdout) == case["ids_bos_special"]
+
+
+def test_tokenize_accepts_a_path(smollm2_path):
+    proc = omlx("tokenize", str(smollm2_path), "Hello world")
+    assert json.loads(proc.stdout) == [19556, 905]
+
+
+def test_generate_json_contract_and_greedy_reference():
+    case = reference_json(SMOL, f32=True)["greedy_raw"][0]
+    proc = omlx("generate", SMOL, "--prompt", case["prompt"], "--max-tokens", "16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) >= {"ids", "text", "stats"}
+    assert set(out["stats"]) >= {"prompt_tokens", "ttft_s", "decode_tok_s", "peak_rss_bytes", "kv_bytes"}
+    assert out["ids"] == case["ids"][:16]
+    assert out["text"] == "".join(case["text"])[: len(out["text"])]
+    assert out["stats"]["prompt_tokens"] == len(case["prompt_ids"])
+    assert out["stats"]["peak_rss_bytes"] > 50 * 2**20
+    assert out["stats"]["kv_bytes"] > 0 and out["stats"]["ttft_s"] > 0
+
+
+def test_generate_chat_streams_text_and_stops_at_end_of_turn():
+    case = reference_json(SMOL, f32=True)["greedy_chat"][0]
+    proc = omlx("generate", SMOL, "--prompt", case["user"], "--chat", "--max-tokens", "200", "--json")
+    out = json.loads(proc.stdout)
+    assert out["finish_reason"] == "stop"
+    assert out["ids"][:16] == case["ids"][:16]
+    streamed = omlx("generate", SMOL, "--prompt", case["user"], "--chat", "--max-tokens", "200")
+    assert streamed.stdout.strip() == out["text"].strip()
+
+
+def test_generate_sampling_is_seeded():
+    args = ("generate", SMOL, "--prompt", "Once upon a time", "--max-tokens", "12", "--temperature", "0.9",
+            "--seed", "7", "--json")
+    a, b = json.loads(omlx(*args).stdout), json.loads(omlx(*args).stdout)
+    assert a["ids"] == b["ids"]
+    c = json.loads(omlx(*args[:-3], "--seed", "8", "--json").stdout)
+    assert c["ids"] != a["ids"]
+
+
+def test_generate_rejects_chat_for_a_base_model():
+    proc = omlx("generate", "gemma3-270m", "--prompt", "hi", "--chat")
+    assert proc.returncode == 2 and "no chat template" in proc.stderr
+
+
+def test_logprobs_writes_the_reference_format(tmp_path):
+    out = tmp_path / "lp.npz"
+    proc = omlx("logprobs", SMOL, "--text-file", str(DATA / "texts" / "gpl-3.txt"), "--n-tokens", "64",
+                "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    ours, ref = np.load(out), np.load(reference_npz_path(SMOL, "gpl-3", f32=True))
+    assert set(ours.files) == {"tokens", "top_ids", "top_logprobs", "next_logprob"}
+    assert ours["tokens"].dtype == np.int32 and ours["tokens"].shape == (65,)
+    assert ours["top_ids"].dtype == np.int32 and ours["top_ids"].shape == (64, 32)
+    assert ours["top_logprobs"].dtype == np.float32 and ours["top_logprobs"].shape == (64, 32)
+    assert ours["next_logprob"].dtype == np.float32 and ours["next_logprob"].shape == (64,)
+    np.testing.assert_array_equal(ours["tokens"], ref["tokens"][:65])
+    assert np.mean(ours["top_ids"][:, 0] == ref["top_ids"][:64, 0]) >= 0.98
+    assert np.mean(np.abs(ours["next_logprob"] - ref["next_logprob"][:64])) < 0.01
+
+
+def test_logprobs_text_too_short(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Just a few words.")
+    proc = omlx("logprobs", SMOL, "--text-file", str(short), "--n-tokens", "100", "--out", str(tmp_path / "x.npz"))
+    assert proc.returncode == 2 and "fewer than --n-tokens + 1" in proc.stderr
+
+
+def test_models_list_path_and_fetch_prints_path(smollm2_path):
+    listed = omlx("models", "list")
+    assert SMOL in listed.stdout and "gemma3-270m" in listed.stdout and "(default)" in listed.stdout
+    path = omlx("models", "path", SMOL)
+    assert path.stdout.strip() == str(smollm2_path)
+    fetched = omlx("models", "fetch", SMOL)  # already present: verifies and prints the path
+    assert fetched.returncode == 0
+    assert fetched.stdout.strip().splitlines()[-1] == str(smollm2_path)
+
+
+def test_info_json():
+    out = json.loads(omlx("info", "gemma3-270m", "--json").stdout)
+    assert out["architecture"] == "gemma3" and out["layers"] == 18 and out["kv_heads"] == 1
+    assert out["kv_bytes_per_token_f16"] == 18 * 1 * (256 + 256) * 2
+    assert out["chat_template"] is False
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "F32"} <= set(out["tensor_types"])
+
+
+def test_chat_in_the_terminal():
+    proc = omlx("chat", SMOL, "--max-tokens", "24", stdin="What is 2+2?\n/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.strip()) > 0
+    assert "tok/s" in proc.stderr
