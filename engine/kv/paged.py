@@ -1,0 +1,341 @@
+"""The paged, quantized KV cache: what decode really sees.
+
+Per layer and sequence, the tokens live in three places:
+
+    sinks   positions 0 .. S-1            float16-rounded copy (float32 arrays), never quantized
+    blocks  full blocks of B tokens        quantized rows in a LayerBlockPool (block_table order)
+    tail    the unfinished block (< B)     float16-rounded (float32 arrays); quantized when full
+
+A query at position p sees a key j through its quantized block when j lies in a block that was
+full before p (block(j) < block(p)), and at full precision when j is in p's own block (that block
+was the unfinished tail when p was decoded) or is a sink. Prefill of many tokens at once applies
+exactly this rule, so chunked prefill, teacher-forced evaluation and token-by-token decode all see
+the same cache.
+
+Keys may be stored rotated (k @ H, H an orthonormal Hadamard matrix of the head dimension); the
+query is rotated the same way, so q·k is unchanged while outlier channels are spread before
+quantizing. Values are never rotated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .attention import grouped_attention
+from .cache import KVCache, LayerKVCache
+from .config import KVConfig
+from .formats import get_format, hadamard
+from .pool import LayerBlockPool
+
+try:  # compiled attention over packed codes; the numpy path below is the reference
+    from ..kernels import HAVE_NUMBA
+
+    if HAVE_NUMBA:
+        from ..kernels import kv_codes
+except ImportError:  # pragma: no cover
+    HAVE_NUMBA = False
+
+# Queries per KV head (query heads per KV head × new tokens) up to which the packed-code kernels
+# are used; larger prefill batches dequantize the old blocks once and use BLAS.
+KERNEL_MAX_QUERIES = 16
+
+
+def _round_f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+class PagedLayerCache(LayerKVCache):
+    """One layer of one sequence over a shared LayerBlockPool.
+
+    Attributes:
+        block_table: ids of the quantized full blocks, in position order.
+        first_position: position of block_table[0]'s first token (> 0 once a sliding-window layer
+            has freed blocks that no query can see again).
+    """
+
+    def __init__(self, pool: LayerBlockPool, *, sinks: int = 4, window: int | None = None,
+                 rotation: bool = False, use_kernels: bool | None = None):
+        self.pool = pool
+        self.B = pool.block_size
+        self.window = window
+        self.n_sinks = sinks
+        Hkv, D, Dv = pool.n_kv_heads, pool.head_dim, pool.value_dim
+        self.rotation = hadamard(D) if rotation else None
+        kernel_formats = D % 8 == 0 and Dv % 8 == 0
+        wanted = HAVE_NUMBA if use_kernels is None else (use_kernels and HAVE_NUMBA)
+        self.use_kernels = wanted and kernel_formats
+        self.offset = 0
+        self.block_table: list[int] = []
+        self.first_position = 0
+        self.tail_k = np.zeros((Hkv, self.B, D), np.float32)  # (Hkv, B, D)
+        self.tail_v = np.zeros((Hkv, self.B, Dv), np.float32)
+        self.n_tail = 0
+        self.sink_k = np.zeros((Hkv, sinks, D), np.float32)  # (Hkv, S, D)
+        self.sink_v = np.zeros((Hkv, sinks, Dv), np.float32)
+
+    # -- storing -----------------------------------------------------------------------------
+    def _store(self, recent_k: np.ndarray, recent_v: np.ndarray, n_full: int) -> list[int]:
+        """Quantize the first n_full blocks of the recent region into new pool blocks."""
+        if n_full == 0:
+            return []
+        B = self.B
+        Hkv, _, D = recent_k.shape
+        blocks = []
+        for _ in range(n_full):
+            block = self.pool.allocate()
+            if block is None:
+                for b in blocks:
+                    self.pool.decref(b)
+                raise MemoryError("the KV block pool is full")
+            blocks.append(block)
+        k = recent_k[:, : n_full * B].reshape(Hkv, n_full, B, D).transpose(1, 0, 2, 3)
+        v = recent_v[:, : n_full * B].reshape(Hkv, n_full, B, -1).transpose(1, 0, 2, 3)
+        self.pool.write(blocks, k, v)
+        return blocks
+
+    def _free_out_of_window(self) -> None:
+        """Release blocks no later query can see (sliding-window layers only)."""
+        if self.window is None:
+            return
+        first_visible = self.offset - self.window + 1  # the next query's oldest visible key
+        while self.block_table and self.first_position + self.B <= first_visible:
+            self.pool.decref(self.block_table.pop(0))
+            self.first_position += self.B
+
+    def _append(self, k16: np.ndarray, v16: np.ndarray, dequantized: bool = False):
+        """Store new tokens' float16-rounded keys/values (Hkv, T, D), (Hkv, T, Dv) (keys already
+        rotated): sinks, then full blocks into the pool, the rest into the tail.
+
+        Returns the recent region (old tail + new tokens) at full precision and, when
+        `dequantized`, as later queries see it (blocks that filled up replaced by their
+        dequantized values): (recent_k, recent_v, recent_kq, recent_vq).
+        """
+        start, T, B, S = self.offset, k16.shape[1], self.B, self.n_sinks
+        Hkv, D = k16.shape[0], k16.shape[2]
+        if start < S:
+            n = min(S, start + T) - start
+            self.sink_k[:, start : start + n] = k16[:, :n]
+            self.sink_v[:, start : start + n] = v16[:, :n]
+        recent_k = np.concatenate([self.tail_k[:, : self.n_tail], k16], axis=1)  # (Hkv, R, D)
+        recent_v = np.concatenate([self.tail_v[:, : self.n_tail], v16], axis=1)
+        R = recent_k.shape[1]
+        n_full = R // B
+        new_blocks = self._store(recent_k, recent_v, n_full)
+        recent_kq = recent_vq = None
+        if dequantized:
+            recent_kq, recent_vq = recent_k.copy(), recent_v.copy()
+            if n_full:
+                kq, vq = self.pool.dequantize(new_blocks)  # (n_full, Hkv, B, D)
+                recent_kq[:, : n_full * B] = kq.transpose(1, 0, 2, 3).reshape(Hkv, n_full * B, D)
+                recent_vq[:, : n_full * B] = vq.transpose(1, 0, 2, 3).reshape(Hkv, n_full * B, -1)
+        self.block_table.extend(new_blocks)
+        n_rest = R - n_full * B
+        self.tail_k[:, :n_rest] = recent_k[:, n_full * B :]
+        self.tail_v[:, :n_rest] = recent_v[:, n_full * B :]
+        self.n_tail = n_rest
+        self.offset = start + T
+        return recent_k, recent_v, recent_kq, recent_vq
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Store keys/values (T, Hkv, D), (T, Hkv, Dv) without attending (e.g. `omlx kv-sim`)."""
+        if self.rotation is not None:
+            k = k @ self.rotation
+        self._append(_round_f16(k).transpose(1, 0, 2), _round_f16(v).transpose(1, 0, 2))
+        self._free_out_of_window()
+
+    # -- attention ---------------------------------------------------------------------------
+    def attend(self, q, k, v, *, scale, window):
+        T, H, D = q.shape
+        Hkv = self.pool.n_kv_heads
+        G = H // Hkv
+        B, S = self.B, self.n_sinks
+        start = self.offset
+        if self.rotation is not None:
+            q = q @ self.rotation
+            k = k @ self.rotation
+        k16 = _round_f16(k).transpose(1, 0, 2)  # (Hkv, T, D)
+        v16 = _round_f16(v).transpose(1, 0, 2)  # (Hkv, T, Dv)
+        tail_start = start - self.n_tail
+        old_blocks = list(self.block_table)
+        old_first = self.first_position
+        recent_k, recent_v, recent_kq, recent_vq = self._append(k16, v16, dequantized=True)
+        R = recent_k.shape[1]
+
+        q_pos = np.arange(start, start + T)
+        qg = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * T, D)
+        q_pos_g = np.tile(q_pos, G)  # (G*T,) query position of row g*T + t
+        r_pos = np.arange(tail_start, start + T)  # (R,)
+        sc = np.float32(scale)
+
+        # Scores over the recent region: quantized where j's block was full before p's block began.
+        s_fp = np.matmul(qg, recent_k.transpose(0, 2, 1)) * sc  # (Hkv, G*T, R)
+        s_q = np.matmul(qg, recent_kq.transpose(0, 2, 1)) * sc
+        same_block = (r_pos[None, :] // B) >= (q_pos_g[:, None] // B)  # (G*T, R)
+        use_fp = same_block | (r_pos[None, :] < S)
+        s_recent = np.where(use_fp[None], s_fp, s_q)
+
+        # Scores over the old blocks (all quantized before this call).
+        L_old = len(old_blocks) * B
+        old_pos = np.arange(old_first, old_first + L_old)
+        n_sink_old = int(np.clip(S - old_first, 0, L_old))  # sink columns at the head of the old region
+        via_kernel = self.use_kernels and L_old > 0 and G * T <= KERNEL_MAX_QUERIES
+        if L_old == 0:
+            s_old = np.zeros((Hkv, G * T, 0), np.float32)
+        elif via_kernel:
+            s_old = self._kernel_scores(qg, old_blocks) * sc
+        else:
+            k_old, v_old = self.pool.dequantize(old_blocks)  # (nb, Hkv, B, D)
+            k_old = k_old.transpose(1, 0, 2, 3).reshape(Hkv, L_old, D)
+            v_old = v_old.transpose(1, 0, 2, 3).reshape(Hkv, L_old, -1)
+            if n_sink_old:
+                k_old[:, :n_sink_old] = self.sink_k[:, old_first : old_first + n_sink_old]
+                v_old[:, :n_sink_old] = self.sink_v[:, old_first : old_first + n_sink_old]
+            s_old = np.matmul(qg, k_old.transpose(0, 2, 1)) * sc
+        if via_kernel and n_sink_old:
+            sink_k = self.sink_k[:, old_first : old_first + n_sink_old]
+            s_old[:, :, :n_sink_old] = np.matmul(qg, sink_k.transpose(0, 2, 1)) * sc
+
+        # Softmax over [old | recent] with the causal and sliding-window mask.
+        scores = np.concatenate([s_old, s_recent], axis=2)  # (Hkv, G*T, L_old + R)
+        k_pos = np.concatenate([old_pos, r_pos])
+        visible = k_pos[None, :] <= q_pos_g[:, None]
+        if window is not None:
+            visible &= (q_pos_g[:, None] - k_pos[None, :]) < window
+        scores = np.where(visible[None], scores, np.float32(-np.inf))
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        p_old, p_recent = scores[:, :, :L_old], scores[:, :, L_old:]
+
+        p_fp = np.where(use_fp[None], p_recent, np.float32(0))
+        out = np.matmul(p_fp, recent_v) + np.matmul(p_recent - p_fp, recent_vq)  # (Hkv, G*T, Dv)
+        if L_old:
+            if via_kernel:
+                if n_sink_old:
+                    p_sink = p_old[:, :, :n_sink_old].copy()
+                    p_old = p_old.copy()
+                    p_old[:, :, :n_sink_old] = 0
+                    out += np.matmul(p_sink, self.sink_v[:, old_first : old_first + n_sink_old])
+                out += self._kernel_values(p_old, old_blocks)
+            else:
+                out += np.matmul(p_old, v_old)
+        self._free_out_of_window()
+        Dv = out.shape[-1]
+        return out.reshape(Hkv, G, T, Dv).transpose(2, 0, 1, 3).reshape(T, H, Dv)
+
+    def _kernel_scores(self, qg: np.ndarray, blocks: list[int]) -> np.ndarray:
+        """q·k over quantized blocks straight from their packed codes: (Hkv, M, nb*B)."""
+        pool, B = self.pool, self.B
+        Hkv, M, _ = qg.shape
+        out = np.empty((Hkv, M, len(blocks) * B), np.float32)
+        cols = np.arange(B)
+        for slab, rows, where in pool.runs(blocks):
+            part = kv_codes.attention_scores(pool.k_format, pool.k_slabs[slab], rows, qg, B)
+            out[:, :, (where[:, None] * B + cols).ravel()] = part
+        return out
+
+    def _kernel_values(self, p: np.ndarray, blocks: list[int]) -> np.ndarray:
+        """Σ p·v over quantized blocks straight from their packed codes: (Hkv, M, Dv)."""
+        pool, B = self.pool, self.B
+        out = None
+        cols = np.arange(B)
+        for slab, rows, where in pool.runs(blocks):
+            part = kv_codes.weighted_values(
+                pool.v_format, pool.v_slabs[slab], rows, p[:, :, (where[:, None] * B + cols).ravel()],
+                B, pool.value_dim,
+            )
+            out = part if out is None else out + part
+        return out
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """This sequence's own buffers (tail and sinks); pool blocks are counted by the pool."""
+        return self.tail_k.nbytes + self.tail_v.nbytes + self.sink_k.nbytes + self.sink_v.nbytes
+
+    def trim(self, n: int) -> None:
+        """Forget the last n tokens. Tokens of a quantized block that stay come back into the tail
+        as stored (dequantized), which is what later queries would have seen anyway except that
+        they are now in the unfinished block."""
+        target = max(0, self.offset - n)
+        # The next query (at `target`) needs the window - 1 keys before it too.
+        lowest = target if self.window is None else max(0, target - self.window + 1)
+        if lowest < self.first_position:
+            raise ValueError("cannot trim into blocks a sliding window already released")
+        while self.offset - self.n_tail > target:  # the tail starts after target: reopen a block
+            block = self.block_table.pop()
+            k, v = self.pool.dequantize([block])
+            self.pool.decref(block)
+            self.tail_k[:] = k[0]
+            self.tail_v[:] = v[0]
+            self.offset -= self.n_tail
+            self.n_tail = self.B
+            s = self.offset - self.B
+            n_sink = int(np.clip(self.n_sinks - s, 0, self.B))
+            if n_sink:  # sinks stay exact
+                self.tail_k[:, :n_sink] = self.sink_k[:, s : s + n_sink]
+                self.tail_v[:, :n_sink] = self.sink_v[:, s : s + n_sink]
+        self.n_tail -= self.offset - target
+        self.offset = target
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        """New pool blocks that appending n_tokens would allocate."""
+        return (self.n_tail + n_tokens) // self.B
+
+    def release(self) -> None:
+        """Return every block to the pool."""
+        for block in self.block_table:
+            self.pool.decref(block)
+        self.block_table.clear()
+        self.offset = self.n_tail = 0
+        self.first_position = 0
+
+
+class PagedKVCache(KVCache):
+    """One sequence's paged cache over per-layer pools, built from a KVConfig."""
+
+    def __init__(self, config: KVConfig, *, n_layers: int, n_kv_heads: int, head_dim: int,
+                 value_dim: int | None = None, windows: list[int | None] | None = None,
+                 max_tokens: int | None = None, use_kernels: bool | None = None):
+        value_dim = head_dim if value_dim is None else value_dim
+        windows = windows or [None] * n_layers
+        self.config = config
+        self.precisions = config.per_layer(n_layers)
+        self.pools: list[LayerBlockPool] = []
+        layers: list[LayerKVCache] = []
+        max_blocks = None if max_tokens is None else -(-max_tokens // config.block_size)
+        for i, prec in enumerate(self.precisions):
+            pool = LayerBlockPool(get_format(prec.k_bits, "k"), get_format(prec.v_bits, "v"), n_kv_heads,
+                                  config.block_size, head_dim, value_dim, max_blocks=max_blocks)
+            self.pools.append(pool)
+            layers.append(PagedLayerCache(pool, sinks=config.sinks, window=windows[i],
+                                          rotation=config.rotation, use_kernels=use_kernels))
+        super().__init__(layers)
+
+    def reserve(self, n_tokens: int) -> None:
+        """Fail before any layer changes if some layer's pool cannot take n_tokens more.
+
+        Raises:
+            MemoryError: naming the layer whose pool is full.
+        """
+        for i, (pool, layer) in enumerate(zip(self.pools, self.layers)):
+            if pool.max_blocks is None:
+                continue
+            available = pool.max_blocks - pool.n_used
+            if layer.blocks_needed(n_tokens) > available:
+                raise MemoryError(f"the KV cache of layer {i} is full ({pool.max_blocks} blocks)")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this sequence holds: the rows of its blocks in the pools plus each layer's tail
+        and sink buffers (sizes of the allocated arrays, not the formula)."""
+        return sum(p.used_bytes for p in self.pools) + sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes allocated: whole pool slabs (in use or free) plus the tail and sink buffers."""
+        return sum(p.nbytes for p in self.pools) + sum(layer.nbytes for layer in self.layers)
+
+    def release(self) -> None:
+        for layer in self.layers:
+            layer.release()
