@@ -1,0 +1,226 @@
+"""Packed-code attention kernels (engine.kernels.kv_codes): float16 support, odd geometries, threads.
+
+The numpy `fmt.dequantize` of the same blocks followed by matmuls is the reference; the basic
+match over every integer format lives in test_kv_formats.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.kernels import HAVE_NUMBA
+from engine.kv.formats import FORMATS
+
+pytestmark = pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+
+F16 = FORMATS["f16"]
+
+
+def _reference(fmt, pool, ids, q, p, t, d):
+    """numpy scores (Hkv, M, nb*T) and weighted values (Hkv, M, D) over the blocks ids."""
+    h = q.shape[0]
+    ref = fmt.dequantize(pool[ids], h, t, d)  # (nb, Hkv, T, D)
+    ref = ref.transpose(1, 0, 2, 3).reshape(h, len(ids) * t, d)  # (Hkv, nb*T, D)
+    return q @ ref.transpose(0, 2, 1), p @ ref
+
+
+# ---- float16 -> float32 ---------------------------------------------------------------------------
+
+
+def test_f16_conversion_matches_numpy_on_every_bit_pattern():
+    from engine.kernels.kv_codes import f16_bits_to_f32
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    ref = bits.view(np.float16).astype(np.float32)
+    got = f16_bits_to_f32(bits)
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    nan = np.isnan(ref)
+    assert nan.sum() == 2 * 1023  # both signs, exponent 31, mantissa != 0
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    # everything else bit for bit: ±0, the 2*1023 subnormals, normals, ±inf
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+    assert np.signbit(got[0x8000]) and got[0x8000] == 0
+    assert got[0x0001] == np.float32(2.0**-24) and got[0x03FF] == np.float32(1023 * 2.0**-24)
+    assert got[0x7C00] == np.inf and got[0xFC00] == -np.inf
+    assert got[0x7BFF] == 65504.0
+
+
+# ---- float16 pools --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("geometry", [(3, 32, 64), (1, 32, 256), (2, 16, 16), (2, 6, 12), (1, 3, 4)])
+@pytest.mark.parametrize("m", [1, 3, 4, 16])
+def test_f16_kernels_match_dequantize(geometry, m):
+    from engine.kernels.kv_codes import attention_scores, weighted_values
+
+    h, t, d = geometry
+    rng = np.random.default_rng(20)
+    pool = F16.quantize(3.0 * rng.standard_normal((7, h, t, d)).astype(np.float32))
+    ids = np.array([4, 0, 6, 2, -2])
+    q = rng.standard_normal((h, m, d)).astype(np.float32)
+    p = rng.random((h, m, len(ids) * t)).astype(np.float32)
+    s_ref, o_ref = _reference(F16, pool, ids, q, p, t, d)
+    np.testing.assert_allclose(attention_scores(F16, pool, ids, q, t), s_ref, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(weighted_values(F16, pool, ids, p, t, d), o_ref, rtol=1e-5, atol=1e-4)
+
+
+def test_f16_kernels_exact_on_special_values():
+    """One-hot weights pick single tokens out exactly: zeros, subnormals, extremes survive."""
+    from engine.kernels.kv_codes import attention_scores, weighted_values
+
+    h, t, d = 2, 8, 16
+    finite = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    finite = finite[np.isfinite(finite)]  # every finite float16, subnormals and -0.0 included
+    rng = np.random.default_rng(21)
+    n = 4
+    values = rng.choice(finite, size=(n, h, t, d)).astype(np.float32)
+    values[0, 0, 0, :6] = [0.0, -0.0, 2.0**-24, -(2.0**-24), 65504.0, 2.0**-14]
+    pool = F16.quantize(values)
+    np.testing.assert_array_equal(F16.dequantize(pool, h, t, d), values)
+    ids = np.arange(n)
+    for j, tok in [(0, 0), (1, 5), (3, 7)]:
+        p = np.zeros((h, 1, n * t), np.float32)
+        p[:, 0, j * t + tok] = 1.0
+        got = weighted_values(F16, pool, ids, p, t, d)  # (Hkv, 1, D)
+        np.testing.assert_array_equal(np.abs(got[:, 0]), np.abs(values[j, :, tok]))
+    # a unit query picks out one channel of every key exactly
+    q = np.zeros((h, 1, d), np.float32)
+    q[:, 0, 3] = 1.0
+    scores = attention_scores(F16, pool, ids, q, t)  # (Hkv, 1, n*T)
+    want = values[:, :, :, 3].transpose(1, 0, 2).reshape(h, n * t)
+    np.testing.assert_array_equal(np.abs(scores[:, 0]), np.abs(want))
+
+
+def test_f16_infinities_propagate():
+    from engine.kernels.kv_codes import attention_scores, weighted_values
+
+    k = np.ones((1, 1, 8, 8), np.float32)
+    k[0, 0, 2, 5] = np.inf
+    k[0, 0, 6, 1] = -np.inf
+    pool = F16.quantize(k)
+    scores = attention_scores(F16, pool, np.array([0]), np.ones((1, 1, 8), np.float32), 8)[0, 0]
+    assert scores[2] == np.inf and scores[6] == -np.inf
+    assert np.all(scores[[0, 1, 3, 4, 5, 7]] == 8.0)
+    p = np.zeros((1, 1, 8), np.float32)
+    p[0, 0, 2] = 0.5
+    out = weighted_values(F16, pool, np.array([0]), p, 8, 8)[0, 0]
+    assert out[5] == np.inf and np.all(np.delete(out, 5) == 0.5)
+
+
+# ---- integer formats: odd geometries, masks, threads ----------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["q4c", "q4t64", "q8t32s", "q6t64", "q5c", "q3t32s", "q2t64", "q2cs"])
+@pytest.mark.parametrize("geometry", [(2, 6, 16), (3, 5, 8)])  # T not a multiple of 4, tiny D
+def test_kernels_odd_token_counts(name, geometry):
+    from engine.kernels.kv_codes import attention_scores, weighted_values
+
+    fmt = FORMATS[name]
+    h, t, d = geometry
+    rng = np.random.default_rng(22)
+    pool = fmt.quantize(rng.standard_normal((5, h, t, d)).astype(np.float32))
+    ids = np.array([3, 1, 4, 0])
+    q = rng.standard_normal((h, 3, d)).astype(np.float32)
+    p = rng.random((h, 3, len(ids) * t)).astype(np.float32)
+    s_ref, o_ref = _reference(fmt, pool, ids, q, p, t, d)
+    np.testing.assert_allclose(attention_scores(fmt, pool, ids, q, t), s_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(weighted_values(fmt, pool, ids, p, t, d), o_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["q4t64", "f16"])
+def test_values_skip_zero_weights(name):
+    """Masked tokens (weight 0) contribute nothing, whole groups of four included."""
+    from engine.kernels.kv_codes import weighted_values
+
+    fmt = FORMATS[name]
+    h, t, d = 3, 32, 64
+    rng = np.random.default_rng(23)
+    pool = fmt.quantize(rng.standard_normal((4, h, t, d)).astype(np.float32))
+    ids = np.arange(4)
+    p = rng.random((h, 3, 4 * t)).astype(np.float32)
+    p[:, :, :9] = 0  # sinks handled elsewhere, as paged.py does
+    p[:, 1, 40:48] = 0
+    _, o_ref = _reference(fmt, pool, ids, np.zeros((h, 3, d), np.float32), p, t, d)
+    np.testing.assert_allclose(weighted_values(fmt, pool, ids, p, t, d), o_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["q4c", "q8t32s", "f16"])
+def test_parallel_runs_match_serial(name, monkeypatch):
+    """Blocks split over threads (prange) give the serial results, for any split of the blocks."""
+    import numba
+
+    from engine.kernels import kv_codes
+    from engine.kernels.kv_codes import attention_scores, weighted_values
+
+    fmt = FORMATS[name]
+    h, t, d = 3, 32, 64
+    rng = np.random.default_rng(24)
+    pool = fmt.quantize(rng.standard_normal((20, h, t, d)).astype(np.float32))
+    q = rng.standard_normal((h, 3, d)).astype(np.float32)
+    n_threads = numba.get_num_threads()
+    for nb in (1, 2, 3, 16, 20):
+        ids = rng.permutation(20)[:nb]
+        p = rng.random((h, 3, nb * t)).astype(np.float32)
+        monkeypatch.setattr(kv_codes, "PARALLEL_MIN_VALUES", None)
+        serial = attention_scores(fmt, pool, ids, q, t), weighted_values(fmt, pool, ids, p, t, d)
+        monkeypatch.setattr(kv_codes, "PARALLEL_MIN_VALUES", 1)
+        for threads in sorted({2, n_threads}):
+            if threads > numba.config.NUMBA_NUM_THREADS:
+                continue
+            numba.set_num_threads(threads)
+            try:
+                parallel = attention_scores(fmt, pool, ids, q, t), weighted_values(fmt, pool, ids, p, t, d)
+            finally:
+                numba.set_num_threads(n_threads)
+            np.testing.assert_array_equal(parallel[0], serial[0])  # disjoint columns per thread
+            np.testing.assert_allclose(parallel[1], serial[1], rtol=1e-4, atol=1e-4)  # partial sums
+        s_ref, o_ref = _reference(fmt, pool, ids, q, p, t, d)
+        np.testing.assert_allclose(serial[0], s_ref, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(serial[1], o_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_parallel_split_policy(monkeypatch):
+    import numba
+
+    from engine.kernels import kv_codes
+
+    monkeypatch.setattr(kv_codes, "PARALLEL_MIN_VALUES", None)
+    assert kv_codes._n_chunks(16, 6144) == 1 and kv_codes._n_chunks(0, 6144) == 0
+    monkeypatch.setattr(kv_codes, "PARALLEL_MIN_VALUES", 32768)
+    assert kv_codes._n_chunks(4, 6144) == 1  # too small to be worth a parallel region
+    assert kv_codes._n_chunks(16, 6144) == min(16, numba.get_num_threads())
+    assert kv_codes._n_chunks(1, 10**6) == 1
+
+
+def test_kernels_empty_block_list_and_non_contiguous_pool():
+    from engine.kernels.kv_codes import attention_scores, weighted_values
+
+    fmt = FORMATS["q8t32s"]
+    h, t, d = 2, 32, 64
+    rng = np.random.default_rng(25)
+    pool = fmt.quantize(rng.standard_normal((6, h, t, d)).astype(np.float32))
+    q = rng.standard_normal((h, 4, d)).astype(np.float32)
+    none = np.zeros(0, np.int64)
+    assert attention_scores(fmt, pool, none, q, t).shape == (h, 4, 0)
+    out = weighted_values(fmt, pool, none, np.zeros((h, 4, 0), np.float32), t, d)
+    assert out.shape == (h, 4, d) and not out.any()
+    every_other = pool[::2]  # (3, bytes) view, not C-contiguous
+    ids = np.array([2, 0])
+    p = rng.random((h, 4, 2 * t)).astype(np.float32)
+    s_ref, o_ref = _reference(fmt, np.ascontiguousarray(every_other), ids, q, p, t, d)
+    np.testing.assert_allclose(attention_scores(fmt, every_other, ids, q, t), s_ref, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(weighted_values(fmt, every_other, ids, p, t, d), o_ref, rtol=1e-5, atol=1e-4)
+
+
+def test_f16_kernels_reject_bad_pools():
+    from engine.kernels.kv_codes import attention_scores
+
+    pool = F16.quantize(np.zeros((2, 1, 32, 64), np.float32))
+    q = np.zeros((1, 1, 64), np.float32)
+    with pytest.raises(IndexError):
+        attention_scores(F16, pool, np.array([2]), q, 32)
+    with pytest.raises(ValueError):
+        attention_scores(F16, pool[:, :-2], np.array([0]), q, 32)
+    with pytest.raises(ValueError):
+        attention_scores(F16, pool.view(np.float16), np.array([0]), q, 32)
