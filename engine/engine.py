@@ -15,6 +15,8 @@ import numpy as np
 
 from .gguf_file import GGUFError, GGUFFile
 from .kv.cache import KVCache
+from .kv.config import KVConfig, parse_kv
+from .kv.formats import get_format
 from .memory import PeakRSS
 from .models import load_model
 from .models.base import BaseModel
@@ -41,7 +43,8 @@ class GenerationStats:
     decode_tok_s: float = 0.0  # tokens after the first / time after the first
     total_s: float = 0.0
     peak_rss_bytes: int = 0
-    kv_bytes: int = 0
+    kv_bytes: int = 0  # KV bytes this sequence holds (block rows in use + tail/sink buffers)
+    kv_capacity_bytes: int = 0  # KV bytes allocated (whole pool slabs)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -109,15 +112,19 @@ class Engine:
         tokenizer: from the file's vocabulary.
     """
 
-    def __init__(self, gguf: GGUFFile, model: BaseModel, tokenizer: Tokenizer):
+    def __init__(self, gguf: GGUFFile, model: BaseModel, tokenizer: Tokenizer,
+                 kv: str | KVConfig | None = None):
         self.gguf = gguf
         self.path = gguf.path
         self.model = model
         self.tokenizer = tokenizer
         self.name = str(gguf.get("general.name") or gguf.path.stem)
+        self.kv_config = parse_kv(kv)
+        self.kv_config.per_layer(model.n_layers)  # an override past the last layer fails here
 
     @classmethod
-    def load(cls, path: str | os.PathLike, progress: Callable[[str, float], None] | None = None) -> "Engine":
+    def load(cls, path: str | os.PathLike, progress: Callable[[str, float], None] | None = None,
+             kv: str | KVConfig | None = None) -> "Engine":
         """Open a GGUF file and build model and tokenizer.
 
         Raises:
@@ -136,13 +143,48 @@ class Engine:
         model = load_model(gguf)
         if progress:
             progress("ready", 1.0)
-        engine = cls(gguf, model, tokenizer)
-        log.info(
-            "loaded %s (%s, %d layers) in %.1f s; KV %.0f bytes/token at 16 bits",
-            engine.name, model.architecture, model.n_layers, time.perf_counter() - t0,
-            model.kv_bytes_per_token(),
-        )
+        engine = cls(gguf, model, tokenizer, kv)
+        log.info("loaded %s (%s, %d layers) in %.1f s", engine.name, model.architecture, model.n_layers,
+                 time.perf_counter() - t0)
+        engine.log_kv_scheme()
         return engine
+
+    def set_kv(self, kv: str | KVConfig) -> None:
+        """Use another KV configuration for caches made from now on."""
+        config = parse_kv(kv)
+        config.per_layer(self.model.n_layers)
+        self.kv_config = config
+        self.log_kv_scheme()
+
+    def kv_scheme(self) -> list[tuple[str, str, str]]:
+        """Per-layer K/V formats, run-length grouped: [(layers, K format, V format)]."""
+        rows = []
+        for i, prec in enumerate(self.kv_config.per_layer(self.model.n_layers)):
+            k, v = get_format(prec.k_bits, "k").name, get_format(prec.v_bits, "v").name
+            k, v = f"K{prec.k_bits} ({k})", f"V{prec.v_bits} ({v})"
+            if rows and rows[-1][1:] == (k, v) and rows[-1][0][1] == i - 1:
+                rows[-1] = ((rows[-1][0][0], i), k, v)
+            else:
+                rows.append(((i, i), k, v))
+        return [(f"{a}" if a == b else f"{a}-{b}", k, v) for (a, b), k, v in rows]
+
+    def kv_bytes_per_token(self) -> float:
+        """Bytes per token of full blocks under the current KV config (scales included)."""
+        g = self.model.kv_geometry
+        total = 0.0
+        B = self.kv_config.block_size
+        for prec in self.kv_config.per_layer(g.n_layers):
+            total += get_format(prec.k_bits, "k").bytes_per_block(g.n_kv_heads, B, g.head_dim) / B
+            total += get_format(prec.v_bits, "v").bytes_per_block(g.n_kv_heads, B, g.value_dim) / B
+        return total
+
+    def log_kv_scheme(self) -> None:
+        c = self.kv_config
+        log.info("KV cache %s: block %d tokens, %d sink tokens%s; %.0f bytes/token (16-bit: %.0f)",
+                 c, c.block_size, c.sinks, ", Hadamard-rotated keys" if c.rotation else "",
+                 self.kv_bytes_per_token(), self.model.kv_bytes_per_token())
+        for layers, k, v in self.kv_scheme():
+            log.info("  layers %-7s %s  %s", layers, k, v)
 
     # -- prompts ------------------------------------------------------------------------------
     @property
@@ -164,8 +206,10 @@ class Engine:
             ids = ids[1:]  # the template wrote BOS itself
         return ids
 
-    def new_cache(self) -> KVCache:
-        return self.model.new_cache()
+    def new_cache(self, kv: str | KVConfig | None = None) -> KVCache:
+        """A paged cache for one sequence, at `kv` or the engine's KV config."""
+        return self.model.new_cache(self.kv_config if kv is None else parse_kv(kv),
+                                    max_tokens=self.model.context_length)
 
     # -- generation ---------------------------------------------------------------------------
     def prefill(self, ids: Sequence[int], cache: KVCache, progress: Callable[[int, int], None] | None = None,
@@ -232,6 +276,10 @@ class Engine:
                 stats.decode_tok_s = (len(ids) - 1) / max(now - t_first, 1e-9)
             stats.peak_rss_bytes = max(peak.peak, peak.sample())
             stats.kv_bytes = cache.nbytes
+            stats.kv_capacity_bytes = getattr(cache, "capacity_bytes", cache.nbytes)
+            log.info("generation: peak RSS %.1f MiB, KV %.2f MiB in use, %.2f MiB allocated (%s)",
+                     stats.peak_rss_bytes / 2**20, stats.kv_bytes / 2**20,
+                     stats.kv_capacity_bytes / 2**20, reason)
             holder.append(GenerationResult(ids, text, reason, stats))
 
         def prefill_tick(done: int, total: int):
@@ -331,11 +379,13 @@ class Engine:
 
 
 def load_engine(spec: str | os.PathLike, *, fetch_missing: bool = False,
-                progress: Callable[[str, float], None] | None = None) -> Engine:
+                progress: Callable[[str, float], None] | None = None,
+                kv: str | KVConfig | None = None) -> Engine:
     """A catalog name or a path to a .gguf file → a loaded Engine."""
     from .catalog import resolve_model
 
-    return Engine.load(resolve_model(spec, fetch_missing=fetch_missing, progress=progress), progress=progress)
+    return Engine.load(resolve_model(spec, fetch_missing=fetch_missing, progress=progress),
+                       progress=progress, kv=kv)
 
 
 __all__ = [

@@ -6,7 +6,7 @@ import importlib
 import pkgutil
 
 from ..gguf_file import GGUFError, GGUFFile
-from .base import BaseModel
+from .base import BaseModel, KVGeometry
 
 _NOT_ARCHITECTURES = {"base"}
 
@@ -19,8 +19,7 @@ class UnsupportedArchitecture(GGUFError):
     pass
 
 
-def load_model(gguf: GGUFFile) -> BaseModel:
-    """Build the model the file's `general.architecture` names."""
+def _architecture_module(gguf: GGUFFile):
     arch = gguf.architecture
     module_name = arch.replace("-", "_")
     if module_name in _NOT_ARCHITECTURES or module_name not in supported_architectures():
@@ -28,5 +27,14 @@ def load_model(gguf: GGUFFile) -> BaseModel:
             f"{gguf.path.name}: architecture {arch!r} is not supported; supported: "
             + ", ".join(supported_architectures())
         )
-    module = importlib.import_module(f"{__name__}.{module_name}")
-    return module.Model.from_gguf(gguf)
+    return importlib.import_module(f"{__name__}.{module_name}")
+
+
+def kv_geometry(gguf: GGUFFile) -> KVGeometry:
+    """The KV-cache geometry from metadata alone (no weights are read)."""
+    return _architecture_module(gguf).ModelArgs.from_gguf(gguf).kv_geometry()
+
+
+def load_model(gguf: GGUFFile) -> BaseModel:
+    """Build the model the file's `general.architecture` names."""
+    return _architecture_module(gguf).Model.from_gguf(gguf)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -49,6 +50,21 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> n
     return out
 
 
+@dataclass(frozen=True)
+class KVGeometry:
+    """What sizes a model's KV cache: read from metadata alone, without loading weights."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    value_dim: int
+    windows: tuple[int | None, ...]  # per layer: sliding window, or None for full attention
+    context_length: int
+
+    def bytes_per_token(self, bytes_per_value: float = 2.0) -> float:
+        return self.n_layers * self.n_kv_heads * (self.head_dim + self.value_dim) * bytes_per_value
+
+
 class BaseModel(ABC):
     """A decoder-only transformer. Subclasses build layers from GGUF tensors and define `hidden`.
 
@@ -88,6 +104,9 @@ class BaseModel(ABC):
                 Only those rows go through the (vocab × dim) output projection.
         """
         tokens = np.asarray(tokens, dtype=np.int64)
+        reserve = getattr(cache, "reserve", None)
+        if reserve is not None:
+            reserve(len(tokens))  # all layers or none: a full pool must not leave layers out of step
         h = self.hidden(tokens, cache)
         if isinstance(logits_for, str):
             if logits_for == "last":
@@ -100,12 +119,28 @@ class BaseModel(ABC):
             return np.empty((0, self.vocab_size), np.float32)
         return self.output(h)
 
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        return self.args.kv_geometry()
+
     def kv_bytes_per_token(self, bytes_per_value: float = 2.0) -> float:
         """K + V bytes per token over all layers at `bytes_per_value` (2 = float16)."""
         return self.n_layers * self.n_kv_heads * (self.head_dim + self.value_dim) * bytes_per_value
 
-    def new_cache(self) -> KVCache:
-        return FullPrecisionCache(self.n_layers, self.n_kv_heads, self.head_dim, self.value_dim)
+    def new_cache(self, kv=None, *, max_tokens: int | None = None, use_kernels: bool | None = None) -> KVCache:
+        """A cache for one sequence: the paged cache for a KVConfig (or spec string), the plain
+        float16 reference cache for None."""
+        if kv is None:
+            return FullPrecisionCache(self.n_layers, self.n_kv_heads, self.head_dim, self.value_dim)
+        from ..kv.config import parse_kv
+        from ..kv.paged import PagedKVCache
+
+        return PagedKVCache(
+            parse_kv(kv) if not hasattr(kv, "per_layer") else kv,
+            n_layers=self.n_layers, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+            value_dim=self.value_dim, windows=[self.layer_window(i) for i in range(self.n_layers)],
+            max_tokens=max_tokens, use_kernels=use_kernels,
+        )
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of a layer, or None for full attention."""

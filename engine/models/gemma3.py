@@ -10,7 +10,7 @@ import numpy as np
 from ..gguf_file import GGUFFile
 from ..kv.cache import KVCache, LayerKVCache
 from ..weights import WeightStore
-from .base import BaseModel, apply_rope, gelu_tanh, rms_norm, rope_tables
+from .base import BaseModel, KVGeometry, apply_rope, gelu_tanh, rms_norm, rope_tables
 
 ARCH = "gemma3"
 LOCAL_ROPE_BASE = 10_000.0
@@ -59,6 +59,11 @@ class ModelArgs:
 
     def is_global(self, layer: int) -> bool:
         return layer % GLOBAL_LAYER_PERIOD == GLOBAL_LAYER_PERIOD - 1
+
+    def kv_geometry(self) -> KVGeometry:
+        windows = tuple(None if self.is_global(i) else self.sliding_window for i in range(self.n_layers))
+        return KVGeometry(self.n_layers, self.n_kv_heads, self.head_dim, self.value_dim, windows,
+                          self.context_length)
 
 
 class Attention:

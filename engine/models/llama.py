@@ -9,7 +9,7 @@ import numpy as np
 from ..gguf_file import GGUFFile
 from ..kv.cache import KVCache, LayerKVCache
 from ..weights import WeightStore
-from .base import BaseModel, apply_rope, rms_norm, rope_tables, silu
+from .base import BaseModel, KVGeometry, apply_rope, rms_norm, rope_tables, silu
 
 
 @dataclass
@@ -49,6 +49,11 @@ class ModelArgs:
             rope_freq_scale=1.0 / factor if scaling == "linear" else 1.0,
             context_length=int(g.get(f"{arch}.context_length", 2048)),
         )
+
+
+    def kv_geometry(self) -> KVGeometry:
+        return KVGeometry(self.n_layers, self.n_kv_heads, self.head_dim, self.head_dim,
+                          (None,) * self.n_layers, self.context_length)
 
 
 class Attention:
