@@ -14,6 +14,7 @@ from pathlib import Path
 from . import catalog
 from .catalog import CatalogError
 from .gguf_file import GGUFError, GGUFFile
+from .kv.config import PRESETS, KVConfig, estimate_bytes, parse_kv
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, TokenizerError
 
@@ -25,31 +26,39 @@ class CLIError(Exception):
 
 
 def _progress_printer(stream=sys.stderr):
+    """progress(stage, fraction) → stderr: a live line on a terminal; in a log, one line per
+    stage and per quarter."""
     last = {"stage": None, "pct": -1}
+    live = stream.isatty()
 
     def report(stage: str, fraction: float) -> None:
         pct = int(fraction * 100)
-        if stage == last["stage"] and pct == last["pct"]:
+        new_stage = stage != last["stage"]
+        if not new_stage and (pct == last["pct"] or (not live and pct // 25 == last["pct"] // 25)):
             return
-        if stage != last["stage"] and last["stage"] is not None:
-            stream.write("\n")
         last.update(stage=stage, pct=pct)
-        stream.write(f"\r{stage}: {pct:3d}%")
+        if live:
+            stream.write(("\n" if new_stage and last["stage"] else "") + f"\r{stage}: {pct:3d}%")
+        else:
+            stream.write(f"{stage}: {pct}%\n")
         stream.flush()
-        if fraction >= 1.0 and stage == "done":
-            stream.write("\n")
 
     return report
+
+
+def _end_progress() -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
 
 
 def _resolve(spec: str) -> Path:
     return catalog.resolve_model(spec, fetch_missing=False)
 
 
-def _load_engine(spec: str):
+def _load_engine(args):
     from .engine import Engine
 
-    return Engine.load(_resolve(spec))
+    return Engine.load(_resolve(args.model), kv=args.kv)
 
 
 def _sampling(args) -> SamplingParams:
@@ -80,13 +89,14 @@ def cmd_models(args) -> int:
         names = list(catalog.CATALOG) if args.all else [args.name or catalog.DEFAULT_MODEL]
         for name in names:
             path = catalog.fetch(name, progress=_progress_printer(), force=args.force)
-            sys.stderr.write("\n")
+            _end_progress()
             print(path)
         return 0
     raise CLIError("usage: omlx models {list,fetch,path}")
 
 
 def cmd_tokenize(args) -> int:
+    parse_kv(args.kv)  # accepted everywhere; tokenizing uses no cache, but a bad spec still fails
     tokenizer = Tokenizer.from_metadata(GGUFFile(_resolve(args.model)).metadata)
     ids = tokenizer.encode(args.text, add_bos=args.bos, parse_special=args.special)
     print(json.dumps(ids))
@@ -101,6 +111,10 @@ def cmd_info(args) -> int:
     gguf = GGUFFile(_resolve(args.model))
     model = load_model(gguf)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
+    config = parse_kv(args.kv)
+    g = model.kv_geometry
+    kv_ctx = estimate_bytes(config, g.n_layers, g.n_kv_heads, g.head_dim, model.context_length,
+                            g.value_dim, windows=list(g.windows))["total"]
     types = Counter(t.type_name for t in gguf.tensors.values())
     n_params = sum(int(__import__("numpy").prod(t.shape)) for t in gguf.tensors.values())
     info = {
@@ -119,6 +133,8 @@ def cmd_info(args) -> int:
         "tensor_types": dict(types.most_common()),
         "chat_template": tokenizer.chat_template is not None,
         "kv_bytes_per_token_f16": model.kv_bytes_per_token(),
+        "kv_spec": str(config),
+        "kv_bytes_at_full_context": kv_ctx,
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -132,14 +148,15 @@ def cmd_info(args) -> int:
     print(f"  chat template  {'yes' if info['chat_template'] else 'no (plain completion)'}")
     kv = model.kv_bytes_per_token()
     print(f"  KV cache       {kv / 1024:.1f} KiB/token at 16 bits "
-          f"({kv * model.context_length / 2**20:,.0f} MiB at the full context)")
+          f"({kv * model.context_length / 2**20:,.0f} MiB at the full context); "
+          f"{config}: {_fmt_bytes(kv_ctx)} at the full context")
     return 0
 
 
 def cmd_generate(args) -> int:
     from .engine import EngineError
 
-    engine = _load_engine(args.model)
+    engine = _load_engine(args)
     if args.chat:
         if not engine.has_chat_template:
             raise EngineError(f"{engine.name} has no chat template; drop --chat for plain completion")
@@ -171,21 +188,21 @@ def cmd_generate(args) -> int:
 def cmd_logprobs(args) -> int:
     from .engine import EngineError
 
-    engine = _load_engine(args.model)
+    engine = _load_engine(args)
     text = Path(args.text_file).read_text(encoding="utf-8")
     ids = engine.tokenizer.encode(text, add_bos=True, parse_special=False)
     if len(ids) < args.n_tokens + 1:
         raise EngineError(f"{args.text_file} has {len(ids):,} tokens, fewer than --n-tokens + 1 = {args.n_tokens + 1:,}")
     report = _progress_printer()
     result = engine.teacher_forced(ids[: args.n_tokens + 1], progress=lambda d, n: report("evaluating", d / n))
-    sys.stderr.write("\n")
+    _end_progress()
     result.save(args.out)
     print(args.out)
     return 0
 
 
 def cmd_chat(args) -> int:
-    engine = _load_engine(args.model)
+    engine = _load_engine(args)
     sampling = _sampling(args)
     messages: list[dict] = []
     if args.system:
@@ -227,6 +244,114 @@ def cmd_chat(args) -> int:
             transcript += result.text
 
 
+def _geometry(args):
+    """KVGeometry from a model's metadata or from --layers/--kv-heads/--head-dim."""
+    from .models import kv_geometry
+    from .models.base import KVGeometry
+
+    if args.model:
+        return kv_geometry(GGUFFile(_resolve(args.model)))
+    missing = [f"--{n}" for n in ("layers", "kv-heads", "head-dim") if getattr(args, n.replace("-", "_")) is None]
+    if missing:
+        raise CLIError(f"give a model, or all of --layers, --kv-heads, --head-dim (missing: {', '.join(missing)})")
+    return KVGeometry(args.layers, args.kv_heads, args.head_dim, args.value_dim or args.head_dim,
+                      (None,) * args.layers, 0)
+
+
+def _specs(args) -> list[tuple[str, KVConfig]]:
+    names = list(PRESETS) + list(args.kv or [])
+    return [(name, parse_kv(name)) for name in names]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _estimate(g, config, ctx) -> dict:
+    return estimate_bytes(config, g.n_layers, g.n_kv_heads, g.head_dim, ctx, g.value_dim, windows=list(g.windows))
+
+
+def cmd_kv_estimate(args) -> int:
+    g = _geometry(args)
+    rows = []
+    full = _estimate(g, parse_kv("full"), args.ctx)["total"]
+    for name, config in _specs(args):
+        est = _estimate(g, config, args.ctx)
+        rows.append({"spec": name, "canonical": str(config), "bytes": est["total"],
+                     "bits_per_value": est["bits_per_value"], "vs_f16": est["total"] / full})
+    if args.json:
+        print(json.dumps({"ctx": args.ctx, "geometry": g.__dict__, "rows": rows}, indent=2))
+        return 0
+    print(f"{g.n_layers} layers × {g.n_kv_heads} KV heads × {g.head_dim}, {args.ctx:,} tokens")
+    print(f"{'spec':16s} {'canonical':22s} {'bytes':>16s} {'bits/value':>10s} {'vs 16-bit':>9s}")
+    for r in rows:
+        print(f"{r['spec']:16s} {r['canonical']:22s} {_fmt_bytes(r['bytes']):>16s} {r['bits_per_value']:10.2f} "
+              f"{r['vs_f16']:9.1%}")
+    return 0
+
+
+def cmd_kv_sim(args) -> int:
+    import numpy as np
+
+    from .kv.paged import PagedKVCache
+
+    g = _geometry(args)
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, config in _specs(args):
+        cache = PagedKVCache(config, n_layers=g.n_layers, n_kv_heads=g.n_kv_heads, head_dim=g.head_dim,
+                             value_dim=g.value_dim, windows=list(g.windows))
+        step = 512
+        for layer in cache.layers:  # layer by layer keeps the synthetic batch small
+            for start in range(0, args.ctx, step):
+                n = min(step, args.ctx - start)
+                k = rng.standard_normal((n, g.n_kv_heads, g.head_dim), dtype=np.float32)
+                v = rng.standard_normal((n, g.n_kv_heads, g.value_dim), dtype=np.float32)
+                layer.append(k, v)
+        formula = _estimate(g, config, args.ctx)["total"]
+        rows.append({"spec": name, "measured": cache.nbytes, "allocated": cache.capacity_bytes,
+                     "formula": formula, "ratio": cache.nbytes / formula})
+        cache.release()
+    if args.json:
+        print(json.dumps({"ctx": args.ctx, "rows": rows}, indent=2))
+        return 0
+    print(f"{g.n_layers} layers × {g.n_kv_heads} KV heads × {g.head_dim}, {args.ctx:,} tokens of synthetic K/V")
+    print(f"{'spec':16s} {'measured':>14s} {'formula':>14s} {'ratio':>7s} {'allocated':>14s}")
+    for r in rows:
+        print(f"{r['spec']:16s} {_fmt_bytes(r['measured']):>14s} {_fmt_bytes(r['formula']):>14s} "
+              f"{r['ratio']:7.4f} {_fmt_bytes(r['allocated']):>14s}")
+    return 0
+
+
+def cmd_eval_kv(args) -> int:
+    from .engine import Engine, EngineError
+    from .evaluate import evaluate_kv, per_layer_specs
+
+    engine = Engine.load(_resolve(args.model), kv="full")
+    ids = engine.tokenizer.encode(Path(args.text_file).read_text(encoding="utf-8"), add_bos=True)
+    if len(ids) < args.n_tokens + 1:
+        raise EngineError(f"{args.text_file} has {len(ids):,} tokens, fewer than --n-tokens + 1")
+    specs = list(args.kv or [])
+    if args.per_layer:
+        specs += per_layer_specs(parse_kv(specs[0] if specs else None), engine.model.n_layers)
+    if not specs:
+        specs = [PRESETS[name] for name in ("high-precision", "balanced", "memory-saver")]
+    report = _progress_printer()
+    results = evaluate_kv(engine, ids[: args.n_tokens + 1], specs, progress=report)
+    _end_progress()
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results], indent=2))
+        return 0
+    print(f"{engine.name}: {args.n_tokens:,} tokens of {Path(args.text_file).name}, vs 16-bit KV")
+    print(f"{'spec':28s} {'mean KL':>9s} {'top-1':>7s} {'ppl':>8s} {'KV bytes':>12s}")
+    for r in results:
+        print(f"{r.spec:28s} {r.mean_kl:9.5f} {r.top1_agreement:7.2%} {r.perplexity:8.3f} {_fmt_bytes(r.kv_bytes):>12s}")
+    return 0
+
+
 # -- parser ------------------------------------------------------------------------------------
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
@@ -236,6 +361,21 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+
+
+def _kv_arg(text: str) -> str:
+    try:
+        parse_kv(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+    return text
+
+
+def _add_kv(p: argparse.ArgumentParser, default: str | None) -> None:
+    shown = default or "balanced"
+    p.add_argument("--kv", type=_kv_arg, default=default, metavar="SPEC",
+                   help=f"KV cache: a preset ({', '.join(PRESETS)}) or a spec such as k6v4, "
+                        f"k4v4,0-3:k8v8,-2..-1:k8v8 (default: {shown})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=model_help)
     p.add_argument("text")
     p.add_argument("--special", action="store_true", help="parse special tokens such as <|im_start|>")
+    _add_kv(p, "full")
     p.add_argument("--bos", action="store_true", help="add BOS where the model's metadata asks for one")
     p.set_defaults(func=cmd_tokenize)
 
@@ -270,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object: ids, text, stats")
     _add_sampling(p)
+    _add_kv(p, "full")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("logprobs", help="teacher-forced log-probabilities in the reference .npz format")
@@ -277,18 +419,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-file", required=True)
     p.add_argument("--n-tokens", type=int, required=True)
     p.add_argument("--out", required=True)
+    _add_kv(p, "full")
     p.set_defaults(func=cmd_logprobs)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
     p.add_argument("model", nargs="?", default=catalog.DEFAULT_MODEL, help=model_help)
     p.add_argument("--system", help="system prompt")
     _add_sampling(p)
+    _add_kv(p, None)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("info", help="architecture, sizes, quant types, KV bytes per token")
     p.add_argument("model", help=model_help)
     p.add_argument("--json", action="store_true")
+    _add_kv(p, None)
     p.set_defaults(func=cmd_info)
+
+    for name, func, help_text in (
+        ("kv-estimate", cmd_kv_estimate, "KV-cache bytes by the formula, for each preset and --kv"),
+        ("kv-sim", cmd_kv_sim, "fill a real cache with synthetic K/V; measured bytes beside the formula"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("model", nargs="?", help=model_help + " (or give --layers/--kv-heads/--head-dim)")
+        p.add_argument("--layers", type=int)
+        p.add_argument("--kv-heads", type=int)
+        p.add_argument("--head-dim", type=int)
+        p.add_argument("--value-dim", type=int, help="default: --head-dim")
+        p.add_argument("--ctx", type=int, required=True, help="tokens of context")
+        p.add_argument("--kv", action="append", type=_kv_arg, help="a spec besides the presets (repeatable)")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("eval-kv", help="KL divergence, top-1 agreement and perplexity of KV specs vs 16-bit KV")
+    p.add_argument("model", help=model_help)
+    p.add_argument("--text-file", required=True)
+    p.add_argument("--n-tokens", type=int, default=2048)
+    p.add_argument("--kv", action="append", type=_kv_arg, help="spec to measure (repeatable)")
+    p.add_argument("--per-layer", action="store_true", help="each layer alone at 4 bits, the rest at 16")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval_kv)
     return parser
 
 

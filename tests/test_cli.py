@@ -128,3 +128,56 @@ def test_chat_in_the_terminal():
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip()) > 0
     assert "tok/s" in proc.stderr
+
+
+def test_kv_estimate_7b_geometry():
+    proc = omlx("kv-estimate", "--layers", "32", "--kv-heads", "32", "--head-dim", "128", "--ctx", "32768",
+                "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["spec"]: r for r in json.loads(proc.stdout)["rows"]}
+    assert abs(rows["full"]["bytes"] / 2**30 - 16) < 0.1
+    assert rows["balanced"]["bytes"] <= 5.6 * 2**30
+    assert rows["memory-saver"]["bytes"] < rows["balanced"]["bytes"] < rows["high-precision"]["bytes"]
+
+
+def test_kv_estimate_needs_geometry():
+    proc = omlx("kv-estimate", "--layers", "32", "--ctx", "100")
+    assert proc.returncode == 2 and "--kv-heads" in proc.stderr and "--head-dim" in proc.stderr
+
+
+def test_kv_sim_measures_what_the_formula_says():
+    proc = omlx("kv-sim", "gemma3-270m", "--ctx", "1024", "--kv", "k4v4,0-3:k8v8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["rows"]
+    assert {r["spec"] for r in rows} == {"high-precision", "balanced", "memory-saver", "full", "k4v4,0-3:k8v8"}
+    for r in rows:
+        assert abs(r["ratio"] - 1) < 0.01, r
+        assert r["allocated"] >= r["measured"]
+
+
+def test_kv_flag_is_validated_with_a_suggestion():
+    proc = omlx("generate", SMOL, "--prompt", "hi", "--kv", "balancd")
+    assert proc.returncode == 2 and "balanced" in proc.stderr
+    proc = omlx("generate", SMOL, "--prompt", "hi", "--kv", "k7v4")
+    assert proc.returncode == 2 and "7" in proc.stderr
+
+
+def test_generate_kv_changes_kv_bytes():
+    sizes = {}
+    for spec in ("full", "k4v4"):
+        proc = omlx("generate", SMOL, "--prompt", "The capital of France is", "--max-tokens", "40", "--kv", spec,
+                    "--json")
+        assert proc.returncode == 0, proc.stderr
+        sizes[spec] = json.loads(proc.stdout)["stats"]["kv_bytes"]
+        assert "KV cache" in proc.stderr  # the per-layer scheme is logged at load
+    assert sizes["k4v4"] < sizes["full"]
+
+
+def test_eval_kv_prints_each_spec():
+    proc = omlx("eval-kv", SMOL, "--text-file", str(DATA / "texts" / "gpl-3.txt"), "--n-tokens", "96",
+                "--kv", "k8v8", "--kv", "k2v2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [r["spec"] for r in rows] == ["k8v8", "k2v2"]
+    assert rows[0]["mean_kl"] < rows[1]["mean_kl"]
+    assert all(r["perplexity"] > 1 and r["kv_bytes"] > 0 for r in rows)

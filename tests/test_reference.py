@@ -21,8 +21,9 @@ TEXTS = ["gpl-3", "kv-cache-article-zh", "gpl-3-long"]
 @pytest.fixture(scope="module")
 def engines(smollm2_path, gemma3_path):
     return {
-        "smollm2-135m-instruct": Engine.load(smollm2_path),
-        "gemma3-270m": Engine.load(gemma3_path),
+        # 16-bit KV, as llama.cpp's default f16 cache that made the reference
+        "smollm2-135m-instruct": Engine.load(smollm2_path, kv="full"),
+        "gemma3-270m": Engine.load(gemma3_path, kv="full"),
     }
 
 

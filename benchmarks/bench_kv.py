@@ -1,0 +1,88 @@
+"""KV-cache quality and speed, the paged-cache issue's figures.
+
+    .venv/bin/python benchmarks/bench_kv.py [quality] [speed] [--n-tokens 2048] [--ctx 4096]
+
+quality: mean KL / top-1 / perplexity vs our own 16-bit KV on the first 2,048 tokens of gpl-3,
+         both models, beside llama.cpp's own figures for its nearest cache types (same text).
+speed:   SmolLM2 prefill of --ctx tokens and decode after it, 16-bit KV vs K4V4 (ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from engine.catalog import resolve_model
+from engine.engine import Engine
+from engine.evaluate import evaluate_kv
+
+TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "texts" / "gpl-3.txt"
+# ../shared/reference/README.md: llama.cpp's mean KL vs its f16 KV, same text and length.
+LLAMA_CPP = {
+    "smollm2-135m-instruct": {"k8v8": ("q8_0/q8_0", 0.0047), "k6v4": ("q8_0/q4_0", 0.0119), "k4v4": ("q4_0/q4_0", 0.0749)},
+    "gemma3-270m": {"k8v8": ("q8_0/q8_0", 0.0077), "k6v4": ("q8_0/q4_0", 0.0139), "k4v4": ("q4_0/q4_0", 0.1296)},
+}
+BARS = {
+    "smollm2-135m-instruct": {"k8v8": 0.001, "k6v4": 0.006, "k4v4": 0.025},
+    "gemma3-270m": {"k8v8": 0.002, "k6v4": 0.010, "k4v4": 0.045},
+}
+
+
+def quality(n_tokens: int, specs: list[str]) -> None:
+    print(f"== quality: first {n_tokens:,} tokens of gpl-3, mean KL vs our 16-bit KV")
+    print(f"{'model':22s} {'spec':10s} {'mean KL':>9s} {'bar':>7s} {'top-1':>7s} {'ppl':>8s} {'KV MiB':>7s}   llama.cpp nearest (KL, ours/theirs)")
+    for name in LLAMA_CPP:
+        engine = Engine.load(resolve_model(name, fetch_missing=True), kv="full")
+        ids = engine.tokenizer.encode(TEXT.read_text(), add_bos=True)[: n_tokens + 1]
+        for r in evaluate_kv(engine, ids, specs):
+            peer = LLAMA_CPP[name].get(r.spec)
+            bar = BARS[name].get(r.spec)
+            peer_text = f"{peer[0]} {peer[1]:.4f}, {r.mean_kl / peer[1]:.2f}x" if peer else ""
+            bar_text = f"{bar:.3f}" if bar else ""
+            print(f"{name:22s} {r.spec:10s} {r.mean_kl:9.5f} {bar_text:>7s} {r.top1_agreement:7.2%} "
+                  f"{r.perplexity:8.3f} {r.kv_bytes / 2**20:7.2f}   {peer_text}", flush=True)
+
+
+def speed(ctx: int, n_decode: int, specs: list[str]) -> None:
+    name = "smollm2-135m-instruct"
+    engine = Engine.load(resolve_model(name, fetch_missing=True))
+    ids = engine.encode_prompt(TEXT.read_text())
+    while len(ids) < ctx:
+        ids += ids
+    ids = ids[:ctx]
+    print(f"== speed: {name}, {ctx:,}-token prompt, {n_decode} decoded tokens")
+    base = None
+    for spec in specs:
+        cache = engine.new_cache(spec)
+        t0 = time.perf_counter()
+        logits = engine.prefill(ids, cache)
+        prefill = ctx / (time.perf_counter() - t0)
+        token = int(np.argmax(logits))
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
+        decode = n_decode / (time.perf_counter() - t0)
+        base = base or (prefill, decode)
+        print(f"{spec:8s} prefill {prefill:7.1f} tok/s ({prefill / base[0]:.2f}x of {specs[0]}, time "
+              f"{base[0] / prefill:.2f}x)   decode {decode:6.1f} tok/s ({decode / base[1]:.2f}x)   "
+              f"KV {cache.nbytes / 2**20:.1f} MiB", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", default=["quality", "speed"])
+    parser.add_argument("--n-tokens", type=int, default=2048)
+    parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--decode", type=int, default=32)
+    args = parser.parse_args()
+    if "quality" in args.parts:
+        quality(args.n_tokens, ["k8v8", "k6v4", "k4v4", "k8v4", "k4v4,rot"])
+    if "speed" in args.parts:
+        speed(args.ctx, args.decode, ["full", "k4v4", "k6v4", "k8v8"])
+
+
+if __name__ == "__main__":
+    main()
