@@ -53,7 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
     ap.add_argument("--repeat", type=int, default=100)
-    ap.add_argument("--threads", type=int, nargs="+", default=None, help="numba thread counts (default 1 and all)")
+    ap.add_argument("--threads", type=int, nargs="+", default=None,
+                    help="numba thread counts (default: 1 and all)")
     ap.add_argument("--parallel-min", type=int, default=32768,
                     help="kv_codes.PARALLEL_MIN_VALUES for the runs with more than one thread")
     ap.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
@@ -140,7 +141,8 @@ def main() -> None:
                     finally:
                         numba.set_num_threads(all_threads)
                         kv_codes.PARALLEL_MIN_VALUES = default_min
-                    line += f"{1e3 * t_one:7.3f} {t_np / t_one:5.1f}x{1e3 * t_slabs:7.3f} {t_np / t_slabs:5.1f}x"
+                    line += f"{1e3 * t_one:7.3f} {t_np / t_one:5.1f}x"
+                    line += f"{1e3 * t_slabs:7.3f} {t_np / t_slabs:5.1f}x"
                 print(f"{line}   {1e3 * first:.0f} ms (max |diff| {err:.1e})", flush=True)
 
 

@@ -347,7 +347,7 @@ def _layout(fmt, n_kv_heads: int, block_tokens: int, head_dim: int) -> tuple:
         is_f16 = fmt.bits == 16
         if not (is_f16 or (2 <= fmt.bits <= 8 and head_dim % 8 == 0)):
             raise ValueError(
-                f"{fmt.name}: the packed-code kernels need float16 or a 2..8-bit format with head_dim % 8 == 0"
+                f"{fmt.name}: the packed-code kernels need float16, or 2..8 bits and head_dim % 8 == 0"
             )
         channel = fmt.axis == "channel"
         group = 1 if channel or is_f16 else fmt.group_size(block_tokens, head_dim)
