@@ -72,6 +72,8 @@ class PagedLayerCache(LayerKVCache):
         self.n_tail = 0
         self.sink_k = np.zeros((Hkv, sinks, D), np.float32)  # (Hkv, S, D)
         self.sink_v = np.zeros((Hkv, sinks, Dv), np.float32)
+        self._runs_key: tuple = ()
+        self._runs: list = []
 
     # -- storing -----------------------------------------------------------------------------
     def _store(self, recent_k: np.ndarray, recent_v: np.ndarray, n_full: int) -> list[int]:
@@ -223,27 +225,39 @@ class PagedLayerCache(LayerKVCache):
         Dv = out.shape[-1]
         return out.reshape(Hkv, G, T, Dv).transpose(2, 0, 1, 3).reshape(T, H, Dv)
 
+    def _slab_runs(self, blocks: list[int]) -> list[tuple[int, np.ndarray, slice | np.ndarray]]:
+        """pool.runs(blocks) with each run's token columns (a slice when the run's blocks are
+        consecutive in the sequence, as they are when allocated in order); cached until the
+        block table changes."""
+        key = tuple(blocks)
+        if self._runs_key != key:
+            B = self.B
+            runs = []
+            for slab, rows, where in self.pool.runs(blocks):
+                if len(where) and where[-1] - where[0] == len(where) - 1:
+                    cols = slice(int(where[0]) * B, (int(where[-1]) + 1) * B)
+                else:
+                    cols = (where[:, None] * B + np.arange(B)).ravel()
+                runs.append((slab, rows, cols))
+            self._runs_key, self._runs = key, runs
+        return self._runs
+
     def _kernel_scores(self, qg: np.ndarray, blocks: list[int]) -> np.ndarray:
         """q·k over quantized blocks straight from their packed codes: (Hkv, M, nb*B)."""
         pool, B = self.pool, self.B
         Hkv, M, _ = qg.shape
         out = np.empty((Hkv, M, len(blocks) * B), np.float32)
-        cols = np.arange(B)
-        for slab, rows, where in pool.runs(blocks):
-            part = kv_codes.attention_scores(pool.k_format, pool.k_slabs[slab], rows, qg, B)
-            out[:, :, (where[:, None] * B + cols).ravel()] = part
+        for slab, rows, cols in self._slab_runs(blocks):
+            out[:, :, cols] = kv_codes.attention_scores(pool.k_format, pool.k_slabs[slab], rows, qg, B)
         return out
 
     def _kernel_values(self, p: np.ndarray, blocks: list[int]) -> np.ndarray:
         """Σ p·v over quantized blocks straight from their packed codes: (Hkv, M, Dv)."""
         pool, B = self.pool, self.B
         out = None
-        cols = np.arange(B)
-        for slab, rows, where in pool.runs(blocks):
-            part = kv_codes.weighted_values(
-                pool.v_format, pool.v_slabs[slab], rows, p[:, :, (where[:, None] * B + cols).ravel()],
-                B, pool.value_dim,
-            )
+        for slab, rows, cols in self._slab_runs(blocks):
+            part = kv_codes.weighted_values(pool.v_format, pool.v_slabs[slab], rows, p[:, :, cols], B,
+                                            pool.value_dim)
             out = part if out is None else out + part
         return out
 
