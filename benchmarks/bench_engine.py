@@ -71,7 +71,7 @@ def main() -> None:
     print(f"{'model':24s} {'context':>7s} {'prefill tok/s':>14s} {'decode tok/s':>13s}   vs llama.cpp (prefill, decode)")
     for name in args.models:
         path = resolve_model(name, fetch_missing=True)
-        engine = Engine.load(path)
+        engine = Engine.load(path, kv="full")  # llama.cpp's figures are with its f16 cache
         for n in args.contexts:
             ids = prompt_ids(engine, n)
             prefill, decode = measure_ours(engine, ids, args.decode)

@@ -77,9 +77,10 @@ def main() -> None:
     parser.add_argument("--n-tokens", type=int, default=2048)
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--specs", nargs="+", default=["k8v8", "k6v4", "k4v4", "k8v4", "k4v4,rot"])
     args = parser.parse_args()
     if "quality" in args.parts:
-        quality(args.n_tokens, ["k8v8", "k6v4", "k4v4", "k8v4", "k4v4,rot"])
+        quality(args.n_tokens, args.specs)
     if "speed" in args.parts:
         speed(args.ctx, args.decode, ["full", "k4v4", "k6v4", "k8v8"])
 
