@@ -82,11 +82,14 @@ class MainWindow(QMainWindow):
         self.worker.status.connect(self.status.setText)
         self.worker.token.connect(self._append)
         self.worker.finished.connect(self.status.setText)
-        self.worker.error.connect(lambda msg: self.status.setText(f"error: {msg}"))
+        self.worker.error.connect(self._show_error)  # a bound slot: queued into the UI thread
         self.ask.connect(self.worker.ask)
         self.input.returnPressed.connect(self._send)
         self.send.clicked.connect(self._send)
         self.thread.start()
+
+    def _show_error(self, message: str) -> None:
+        self.status.setText(f"error: {message}")
 
     def _append(self, text: str) -> None:
         cursor = self.transcript.textCursor()
