@@ -46,29 +46,37 @@ def quality(n_tokens: int, specs: list[str]) -> None:
                   f"{r.perplexity:8.3f} {r.kv_bytes / 2**20:7.2f}   {peer_text}", flush=True)
 
 
-def speed(ctx: int, n_decode: int, specs: list[str]) -> None:
+def speed(ctx: int, n_decode: int, specs: list[str], rounds: int = 4) -> None:
+    """Prefill once per spec, then decode in interleaved rounds (every spec once per round), so
+    load from other processes hits all specs alike; medians are printed."""
     name = "smollm2-135m-instruct"
     engine = Engine.load(resolve_model(name, fetch_missing=True))
     ids = engine.encode_prompt(TEXT.read_text())
     while len(ids) < ctx:
         ids += ids
     ids = ids[:ctx]
-    print(f"== speed: {name}, {ctx:,}-token prompt, {n_decode} decoded tokens")
-    base = None
+    print(f"== speed: {name}, {ctx:,}-token prompt, then {rounds} interleaved rounds of {n_decode} decoded tokens")
+    caches, prefill, tokens = {}, {}, {}
     for spec in specs:
         cache = engine.new_cache(spec)
         t0 = time.perf_counter()
-        logits = engine.prefill(ids, cache)
-        prefill = ctx / (time.perf_counter() - t0)
-        token = int(np.argmax(logits))
-        t0 = time.perf_counter()
-        for _ in range(n_decode):
-            token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
-        decode = n_decode / (time.perf_counter() - t0)
-        base = base or (prefill, decode)
-        print(f"{spec:8s} prefill {prefill:7.1f} tok/s ({prefill / base[0]:.2f}x of {specs[0]}, time "
-              f"{base[0] / prefill:.2f}x)   decode {decode:6.1f} tok/s ({decode / base[1]:.2f}x)   "
-              f"KV {cache.nbytes / 2**20:.1f} MiB", flush=True)
+        tokens[spec] = int(np.argmax(engine.prefill(ids, cache)))
+        prefill[spec] = ctx / (time.perf_counter() - t0)
+        caches[spec] = cache
+    decode = {spec: [] for spec in specs}
+    for _ in range(rounds):
+        for spec in specs:
+            token, cache = tokens[spec], caches[spec]
+            t0 = time.perf_counter()
+            for _ in range(n_decode):
+                token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
+            decode[spec].append(n_decode / (time.perf_counter() - t0))
+    base = specs[0]
+    d0 = float(np.median(decode[base]))
+    for spec in specs:
+        d = float(np.median(decode[spec]))
+        print(f"{spec:8s} prefill {prefill[spec]:7.1f} tok/s (time {prefill[base] / prefill[spec]:.2f}x of {base})   "
+              f"decode {d:6.2f} tok/s ({d / d0:.2f}x)   KV {caches[spec].nbytes / 2**20:.1f} MiB", flush=True)
 
 
 def main() -> None:
@@ -76,7 +84,7 @@ def main() -> None:
     parser.add_argument("parts", nargs="*", default=["quality", "speed"])
     parser.add_argument("--n-tokens", type=int, default=2048)
     parser.add_argument("--ctx", type=int, default=4096)
-    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--decode", type=int, default=24)
     parser.add_argument("--specs", nargs="+", default=["k8v8", "k6v4", "k4v4", "k8v4", "k4v4,rot"])
     args = parser.parse_args()
     if "quality" in args.parts:
