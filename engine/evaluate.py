@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .engine import log_softmax
 from .kv.config import KVConfig, parse_kv
 
 BASELINE_SPEC = "full"
@@ -27,14 +28,9 @@ class KVQuality:
         return dict(self.__dict__)
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x -= x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
 def hidden_states(model, tokens: np.ndarray, kv, chunk: int = 512) -> tuple[np.ndarray, int]:
-    """Final-norm hidden states (N, dim) of tokens[:-1]-predicting positions, and KV bytes."""
+    """Final-norm hidden states (N, dim) of `tokens` (N,) run through a fresh cache at `kv`, and
+    the KV bytes that cache holds afterwards."""
     cache = model.new_cache(kv)
     parts = [model.hidden(tokens[s : s + chunk], cache) for s in range(0, len(tokens), chunk)]
     return np.concatenate(parts), cache.nbytes
@@ -65,8 +61,8 @@ def evaluate_kv(engine, tokens: Sequence[int], specs: Sequence[str | KVConfig],
         nll = np.empty(n)
         for r0 in range(0, n, _ROWS):
             r1 = min(n, r0 + _ROWS)
-            lp_ref = _log_softmax(model.output(h_ref[r0:r1]))
-            lp = _log_softmax(model.output(h[r0:r1]))
+            lp_ref = log_softmax(model.output(h_ref[r0:r1]))
+            lp = log_softmax(model.output(h[r0:r1]))
             kl[r0:r1] = np.sum(np.exp(lp_ref) * (lp_ref - lp), axis=-1)
             agree[r0:r1] = lp_ref.argmax(-1) == lp.argmax(-1)
             nll[r0:r1] = -lp[np.arange(r1 - r0), targets[r0:r1]]

@@ -125,7 +125,7 @@ class BaseModel(ABC):
 
     def kv_bytes_per_token(self, bytes_per_value: float = 2.0) -> float:
         """K + V bytes per token over all layers at `bytes_per_value` (2 = float16)."""
-        return self.n_layers * self.n_kv_heads * (self.head_dim + self.value_dim) * bytes_per_value
+        return self.kv_geometry.bytes_per_token(bytes_per_value)
 
     def new_cache(self, kv=None, *, max_tokens: int | None = None, use_kernels: bool | None = None) -> KVCache:
         """A cache for one sequence: the paged cache for a KVConfig (or spec string), the plain
