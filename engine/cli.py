@@ -106,14 +106,14 @@ def cmd_tokenize(args) -> int:
 def cmd_info(args) -> int:
     from collections import Counter
 
-    from .models import load_model
+    from .models import model_args
 
     gguf = GGUFFile(_resolve(args.model))
-    model = load_model(gguf)
+    model = model_args(gguf)  # metadata only: printing sizes needs no weights
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     config = parse_kv(args.kv)
-    g = model.kv_geometry
-    kv_ctx = estimate_bytes(config, g.n_layers, g.n_kv_heads, g.head_dim, model.context_length,
+    g = model.kv_geometry()
+    kv_ctx = estimate_bytes(config, g.n_layers, g.n_kv_heads, g.head_dim, g.context_length,
                             g.value_dim, windows=list(g.windows))["total"]
     types = Counter(t.type_name for t in gguf.tensors.values())
     n_params = sum(int(__import__("numpy").prod(t.shape)) for t in gguf.tensors.values())
@@ -121,7 +121,7 @@ def cmd_info(args) -> int:
         "name": gguf.get("general.name"),
         "file": str(gguf.path),
         "file_bytes": gguf.file_size,
-        "architecture": model.architecture,
+        "architecture": gguf.architecture,
         "parameters": n_params,
         "layers": model.n_layers,
         "embedding_dim": model.dim,
@@ -132,7 +132,7 @@ def cmd_info(args) -> int:
         "vocab_size": model.vocab_size,
         "tensor_types": dict(types.most_common()),
         "chat_template": tokenizer.chat_template is not None,
-        "kv_bytes_per_token_f16": model.kv_bytes_per_token(),
+        "kv_bytes_per_token_f16": g.bytes_per_token(),
         "kv_spec": str(config),
         "kv_bytes_at_full_context": kv_ctx,
     }
@@ -146,7 +146,7 @@ def cmd_info(args) -> int:
     print(f"  context        {model.context_length:,} tokens; vocabulary {model.vocab_size:,}")
     print(f"  tensor types   " + ", ".join(f"{k} ×{v}" for k, v in types.most_common()))
     print(f"  chat template  {'yes' if info['chat_template'] else 'no (plain completion)'}")
-    kv = model.kv_bytes_per_token()
+    kv = g.bytes_per_token()
     print(f"  KV cache       {kv / 1024:.1f} KiB/token at 16 bits "
           f"({kv * model.context_length / 2**20:,.0f} MiB at the full context); "
           f"{config}: {_fmt_bytes(kv_ctx)} at the full context")

@@ -30,9 +30,14 @@ def _architecture_module(gguf: GGUFFile):
     return importlib.import_module(f"{__name__}.{module_name}")
 
 
+def model_args(gguf: GGUFFile):
+    """The architecture's ModelArgs from metadata alone (no weights are read)."""
+    return _architecture_module(gguf).ModelArgs.from_gguf(gguf)
+
+
 def kv_geometry(gguf: GGUFFile) -> KVGeometry:
     """The KV-cache geometry from metadata alone (no weights are read)."""
-    return _architecture_module(gguf).ModelArgs.from_gguf(gguf).kv_geometry()
+    return model_args(gguf).kv_geometry()
 
 
 def load_model(gguf: GGUFFile) -> BaseModel:
