@@ -59,3 +59,9 @@ def reference_npz_path(model_name: str, text: str, f32: bool = True) -> Path:
     sub = "llama_cpp_f32" if f32 else "llama_cpp"
     suffix = ".f32" if f32 else ""
     return DATA / sub / f"{ref}{suffix}-{text}.npz"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory):
+    """Saved KV prefixes and the model-hash memo go to a per-run folder, never the user's."""
+    os.environ["OMLX_CACHE_DIR"] = str(tmp_path_factory.mktemp("omlx-cache"))

@@ -114,6 +114,15 @@ class KVCache:
         for layer in self.layers:
             layer.trim(n)
 
+    # Hooks around one model forward pass over new tokens. The paged cache uses them to make
+    # room (overflow policy, pool eviction) before any layer changes and to publish the blocks
+    # that filled up to the prefix cache afterwards; a plain cache has nothing to do.
+    def begin_forward(self, tokens: np.ndarray) -> None:
+        """Called with the (T,) token ids about to be appended, before the first layer runs."""
+
+    def end_forward(self) -> None:
+        """Called after the last layer stored the new tokens."""
+
 
 def FullPrecisionCache(n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int | None = None) -> KVCache:
     """A plain float16 cache for every layer."""

@@ -74,6 +74,13 @@ class PagedLayerCache(LayerKVCache):
         self.sink_v = np.zeros((Hkv, sinks, Dv), np.float32)
         self._runs_key: tuple = ()
         self._runs: list = []
+        # Attention each key position received, summed over heads and queries (H2O eviction);
+        # only kept when track_attention is set. (positions,) float32, index = position.
+        self.track_attention = False
+        self.attn_mass = np.zeros(0, np.float32)
+        # With a prefix cache, out-of-window blocks are released after the forward pass, once
+        # they are published (the cache keeps its own reference), not inside attend.
+        self.defer_release = False
 
     # -- storing -----------------------------------------------------------------------------
     def _store(self, recent_k: np.ndarray, recent_v: np.ndarray, n_full: int) -> list[int]:
@@ -208,6 +215,11 @@ class PagedLayerCache(LayerKVCache):
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
         p_old, p_recent = scores[:, :, :L_old], scores[:, :, L_old:]
+        if self.track_attention:  # key positions old_first .. start+T-1 are contiguous
+            end = start + T
+            if self.attn_mass.shape[0] < end:
+                self.attn_mass = np.concatenate([self.attn_mass, np.zeros(end - self.attn_mass.shape[0], np.float32)])
+            self.attn_mass[old_first:end] += scores.sum(axis=(0, 1))
 
         p_fp = np.where(use_fp[None], p_recent, np.float32(0))
         out = np.matmul(p_fp, recent_v) + np.matmul(p_recent - p_fp, recent_vq)  # (Hkv, G*T, Dv)
@@ -221,7 +233,8 @@ class PagedLayerCache(LayerKVCache):
                 out += self._kernel_values(p_old, old_blocks)
             else:
                 out += np.matmul(p_old, v_old)
-        self._free_out_of_window()
+        if not self.defer_release:
+            self._free_out_of_window()
         Dv = out.shape[-1]
         return out.reshape(Hkv, G, T, Dv).transpose(2, 0, 1, 3).reshape(T, H, Dv)
 
@@ -292,6 +305,99 @@ class PagedLayerCache(LayerKVCache):
         self.n_tail -= self.offset - target
         self.offset = target
 
+    def first_needed_block(self, n_blocks: int) -> int:
+        """The oldest block a query right after n_blocks full blocks can see (window layers)."""
+        if self.window is None:
+            return 0
+        return max(0, (n_blocks * self.B - self.window + 1) // self.B)
+
+    def attach(self, blocks: list[int | None], sink_k: np.ndarray | None, sink_v: np.ndarray | None) -> None:
+        """Start this empty layer on cached full blocks for positions 0 .. len(blocks)*B - 1
+        (one reference taken per block). Blocks a window layer cannot see again may be None."""
+        if self.offset:
+            raise ValueError("attach needs an empty layer cache")
+        n = len(blocks)
+        first = self.first_needed_block(n)
+        table = blocks[first:]
+        if any(b is None for b in table):
+            raise ValueError("a block this layer still needs is missing")
+        for b in table:
+            self.pool.incref(b)
+        self.block_table = list(table)
+        self.first_position = first * self.B
+        self.offset = n * self.B
+        self.n_tail = 0
+        if sink_k is not None and n:
+            S = min(self.n_sinks, self.offset, sink_k.shape[1])
+            self.sink_k[:, :S] = sink_k[:, :S]
+            self.sink_v[:, :S] = sink_v[:, :S]
+
+    def block_at(self, index: int) -> int | None:
+        """Pool id of full block `index` (position index*B ..), None if released or not full."""
+        j = index - self.first_position // self.B
+        return self.block_table[j] if 0 <= j < len(self.block_table) else None
+
+    def drop_blocks(self, dropped: np.ndarray, rerotate, allocate) -> None:
+        """Forget full blocks (sorted global block indices, none of them a sink block) and move
+        every later token down so positions stay contiguous: keys of later blocks are
+        re-rotated (dequantized, rotated by -shift, quantized into new blocks; values copied as
+        stored), the float tail is rotated in place.
+
+        Args:
+            rerotate: (keys (T, Hkv, D), by (T,)) → keys at position + by.
+            allocate: () → a new pool block id (may evict cached blocks), or None.
+        """
+        B = self.B
+        dropped = np.asarray(dropped, dtype=np.int64)
+        base = self.first_position // B
+        dropped_set = set(int(d) for d in dropped)
+        kept, moved = [], []  # moved: (index in kept, old block, shift in tokens)
+        for j, block in enumerate(self.block_table):
+            index = base + j
+            if index in dropped_set:
+                self.pool.decref(block)
+                continue
+            shift = B * int(np.searchsorted(dropped, index))
+            if shift:
+                moved.append((len(kept), block, shift))
+            kept.append(block)
+        if moved:
+            old = [b for _, b, _ in moved]
+            k, _ = self.pool.dequantize(old)  # (n, Hkv, B, D)
+            n, Hkv, _, D = k.shape
+            if self.rotation is not None:
+                k = k @ self.rotation.T
+            by = -np.repeat(np.array([m[2] for m in moved], dtype=np.int64), B)  # (n*B,)
+            tokens = rerotate(k.transpose(0, 2, 1, 3).reshape(n * B, Hkv, D), by)
+            k = tokens.reshape(n, B, Hkv, D).transpose(0, 2, 1, 3)
+            if self.rotation is not None:
+                k = k @ self.rotation
+            k_rows = self.pool.k_format.quantize(np.ascontiguousarray(k, dtype=np.float32))
+            for i, (where, old_block, _) in enumerate(moved):
+                new_block = allocate()
+                if new_block is None:
+                    raise MemoryError("the KV block pool is full")
+                self.pool.write_rows(new_block, k_rows[i], self.pool.v_row(old_block))
+                self.pool.decref(old_block)
+                kept[where] = new_block
+        total = B * len(dropped)
+        if self.n_tail and total:
+            tail = self.tail_k[:, : self.n_tail]  # (Hkv, n_tail, D)
+            if self.rotation is not None:
+                tail = tail @ self.rotation.T
+            tail = rerotate(tail.transpose(1, 0, 2), np.full(self.n_tail, -total, np.int64)).transpose(1, 0, 2)
+            if self.rotation is not None:
+                tail = tail @ self.rotation
+            self.tail_k[:, : self.n_tail] = _round_f16(tail)
+        if self.attn_mass.shape[0]:
+            keep = np.ones(self.offset, bool)
+            for d in dropped:
+                keep[d * B : (d + 1) * B] = False
+            self.attn_mass = self.attn_mass[: self.offset][keep[: self.attn_mass.shape[0]]]
+        self.first_position -= B * int(np.searchsorted(dropped, base))
+        self.offset -= total
+        self.block_table = kept
+
     def blocks_needed(self, n_tokens: int) -> int:
         """New pool blocks that appending n_tokens would allocate."""
         return (self.n_tail + n_tokens) // self.B
@@ -305,51 +411,205 @@ class PagedLayerCache(LayerKVCache):
         self.first_position = 0
 
 
+OVERFLOW_POLICIES = ("stop", "rolling", "attention")
+
+
+class ContextFull(MemoryError):
+    """No room for the next tokens: the context limit under the `stop` policy, or nothing left
+    that the policy may drop (pinned prefix + new tokens exceed the context)."""
+
+
 class PagedKVCache(KVCache):
-    """One sequence's paged cache over per-layer pools, built from a KVConfig."""
+    """One sequence's paged cache over per-layer pools, built from a KVConfig.
+
+    The pools are the sequence's own, or shared with other sequences through a PrefixCache
+    (which then also publishes the blocks that fill up, and evicts cached blocks for room).
+
+    Context limit: with `limit` set, appending past it applies `overflow`:
+        stop       raise ContextFull
+        rolling    drop the oldest unprotected full blocks (protected: the first
+                   `protected_tokens` — system prompt and pinned documents — and at least the
+                   sink block), a quarter of the context at a time
+        attention  drop the unprotected full blocks that received the least accumulated
+                   attention (H2O), keeping the most recent eighth of the context
+    Later tokens move down (keys re-rotated) so positions never pass `limit`; `dropped_tokens`
+    counts what was dropped.
+    """
 
     def __init__(self, config: KVConfig, *, n_layers: int, n_kv_heads: int, head_dim: int,
                  value_dim: int | None = None, windows: list[int | None] | None = None,
-                 max_tokens: int | None = None, use_kernels: bool | None = None):
+                 max_tokens: int | None = None, use_kernels: bool | None = None,
+                 pools: list[LayerBlockPool] | None = None, prefix_cache=None,
+                 limit: int | None = None, overflow: str = "stop", protected_tokens: int = 0,
+                 rerotate=None):
         value_dim = head_dim if value_dim is None else value_dim
         windows = windows or [None] * n_layers
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}, not {overflow!r}")
         self.config = config
         self.precisions = config.per_layer(n_layers)
-        self.pools: list[LayerBlockPool] = []
-        layers: list[LayerKVCache] = []
-        max_blocks = None if max_tokens is None else -(-max_tokens // config.block_size)
-        for i, prec in enumerate(self.precisions):
-            pool = LayerBlockPool(get_format(prec.k_bits, "k"), get_format(prec.v_bits, "v"), n_kv_heads,
-                                  config.block_size, head_dim, value_dim, max_blocks=max_blocks)
-            self.pools.append(pool)
-            layers.append(PagedLayerCache(pool, sinks=config.sinks, window=windows[i],
-                                          rotation=config.rotation, use_kernels=use_kernels))
+        self.prefix_cache = prefix_cache
+        if pools is None:
+            max_blocks = None if max_tokens is None else -(-max_tokens // config.block_size)
+            pools = [LayerBlockPool(get_format(p.k_bits, "k"), get_format(p.v_bits, "v"), n_kv_heads,
+                                    config.block_size, head_dim, value_dim, max_blocks=max_blocks)
+                     for p in self.precisions]
+        self.pools = pools
+        layers: list[LayerKVCache] = [
+            PagedLayerCache(pool, sinks=config.sinks, window=windows[i], rotation=config.rotation,
+                            use_kernels=use_kernels)
+            for i, pool in enumerate(pools)
+        ]
         super().__init__(layers)
+        self.limit = limit
+        self.overflow = overflow
+        self.protected_tokens = protected_tokens
+        self.rerotate = rerotate  # (layer, keys (T, Hkv, D), by (T,)) → keys; the model's
+        self.dropped_tokens = 0
+        self.token_ids: list[int] = []  # the tokens the cache holds, in position order
+        self.history: list[int] = []  # every token appended, dropped ones included
+        self.chain_keys: list[bytes] = []  # prefix-cache keys of the leading full blocks
+        self.n_published = 0  # leading full blocks already handed to the prefix cache
+        self.chain_end: int | None = None  # blocks from here on no longer extend a token prefix
+        for layer in self.layers:
+            layer.track_attention = overflow == "attention"
+            layer.defer_release = prefix_cache is not None
+
+    # -- forward hooks -------------------------------------------------------------------------
+    def begin_forward(self, tokens: np.ndarray) -> None:
+        T = len(tokens)
+        if self.limit is not None and self.offset + T > self.limit:
+            self.make_room(T)
+        self.reserve(T)
+        new = [int(t) for t in tokens]
+        self.token_ids.extend(new)
+        self.history.extend(new)
+
+    def end_forward(self) -> None:
+        if self.prefix_cache is None:
+            return
+        n_full = self.offset // self.config.block_size
+        if self.chain_end is not None:
+            n_full = min(n_full, self.chain_end)
+        if n_full > self.n_published:
+            self.prefix_cache.publish(self, self.n_published, n_full)
+        for layer in self.layers:
+            layer._free_out_of_window()
+
+    # -- room ----------------------------------------------------------------------------------
+    def _allocate(self, layer: int) -> int | None:
+        pool = self.pools[layer]
+        if pool.n_free == 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(layer_needs={layer: 1})
+        return pool.allocate()
 
     def reserve(self, n_tokens: int) -> None:
-        """Fail before any layer changes if some layer's pool cannot take n_tokens more.
+        """Fail before any layer changes if some layer's pool cannot take n_tokens more (after
+        evicting unused cached blocks, when the pools are shared).
 
         Raises:
             MemoryError: naming the layer whose pool is full.
         """
+        needs = {i: layer.blocks_needed(n_tokens)  # free blocks each short layer must reach
+                 for i, (pool, layer) in enumerate(zip(self.pools, self.layers))
+                 if layer.blocks_needed(n_tokens) > pool.n_free}
+        if needs and self.prefix_cache is not None:
+            self.prefix_cache.evict(layer_needs=needs)
         for i, (pool, layer) in enumerate(zip(self.pools, self.layers)):
-            if pool.max_blocks is None:
-                continue
-            available = pool.max_blocks - pool.n_used
-            if layer.blocks_needed(n_tokens) > available:
+            if layer.blocks_needed(n_tokens) > pool.n_free:
                 raise MemoryError(f"the KV cache of layer {i} is full ({pool.max_blocks} blocks)")
+
+    def protected_blocks(self) -> int:
+        B = self.config.block_size
+        return max(1, -(-self.protected_tokens // B), -(-self.config.sinks // B))
+
+    def make_room(self, n_tokens: int) -> int:
+        """Apply the overflow policy so n_tokens more fit under `limit`; returns tokens dropped.
+
+        Raises:
+            ContextFull: under `stop`, or when the protected prefix leaves too little room.
+        """
+        B = self.config.block_size
+        need = self.offset + n_tokens - self.limit
+        if need <= 0:
+            return 0
+        if self.overflow == "stop":
+            raise ContextFull(f"the context of {self.limit:,} tokens is full")
+        n_full = self.offset // B
+        first = self.protected_blocks()
+        keep_recent = 0 if self.overflow == "rolling" else max(1, self.limit // 8 // B)
+        candidates = np.arange(first, max(first, n_full - keep_recent))
+        n_needed = -(-need // B)
+        if len(candidates) < n_needed:
+            raise ContextFull(
+                f"{n_tokens:,} new tokens do not fit in the context of {self.limit:,}: "
+                f"{self.protected_tokens:,} are pinned (system prompt and documents) and only "
+                f"{len(candidates) * B:,} may be dropped"
+            )
+        n_drop = min(len(candidates), max(n_needed, -(-self.limit // 4 // B)))
+        if self.overflow == "rolling":
+            dropped = candidates[:n_drop]
+        else:
+            mass = np.zeros(len(candidates), np.float64)
+            for layer in self.layers:
+                m = layer.attn_mass
+                for j, c in enumerate(candidates):
+                    mass[j] += m[c * B : (c + 1) * B].sum() if m.shape[0] > c * B else 0.0
+            dropped = np.sort(candidates[np.argsort(mass, kind="stable")[:n_drop]])
+        self.drop_blocks(dropped)
+        return n_drop * B
+
+    def drop_blocks(self, dropped: np.ndarray) -> None:
+        """Drop full blocks by index in every layer and keep positions contiguous."""
+        if self.rerotate is None:
+            raise ContextFull("this cache cannot move keys, so it cannot drop old tokens")
+        B = self.config.block_size
+        dropped = np.asarray(dropped, dtype=np.int64)
+        for i, layer in enumerate(self.layers):
+            layer.drop_blocks(dropped, lambda k, by, i=i: self.rerotate(i, k, by),
+                              lambda i=i: self._allocate(i))
+        keep = np.ones(len(self.token_ids), bool)
+        for d in dropped:
+            keep[d * B : (d + 1) * B] = False
+        self.token_ids = [t for t, k in zip(self.token_ids, keep) if k]
+        first = int(dropped[0])
+        self.chain_end = first if self.chain_end is None else min(self.chain_end, first)
+        del self.chain_keys[first:]
+        self.n_published = min(self.n_published, first)
+        self.dropped_tokens += B * len(dropped)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def trim(self, n: int) -> None:
+        before = self.offset
+        super().trim(n)
+        del self.token_ids[self.offset :]
+        del self.history[len(self.history) - (before - self.offset) :]
+        n_full = self.offset // self.config.block_size
+        del self.chain_keys[n_full:]
+        self.n_published = min(self.n_published, n_full)
 
     @property
     def nbytes(self) -> int:
-        """Bytes this sequence holds: the rows of its blocks in the pools plus each layer's tail
-        and sink buffers (sizes of the allocated arrays, not the formula)."""
-        return sum(p.used_bytes for p in self.pools) + sum(layer.nbytes for layer in self.layers)
+        """Bytes this sequence holds: the rows of its blocks plus each layer's tail and sink
+        buffers (sizes of the allocated arrays, not the formula). Shared blocks count fully."""
+        total = 0
+        for pool, layer in zip(self.pools, self.layers):
+            total += len(layer.block_table) * (pool.k_row_bytes + pool.v_row_bytes) + layer.nbytes
+        return total
 
     @property
     def capacity_bytes(self) -> int:
-        """Bytes allocated: whole pool slabs (in use or free) plus the tail and sink buffers."""
+        """Bytes allocated: whole pool slabs (in use, cached or free) plus tail/sink buffers."""
         return sum(p.nbytes for p in self.pools) + sum(layer.nbytes for layer in self.layers)
 
     def release(self) -> None:
+        """Return every block (the prefix cache keeps the ones it holds, tails evicted first)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.touch(reversed(self.chain_keys))
         for layer in self.layers:
             layer.release()
+        self.token_ids.clear()
+        self.history.clear()
+        self.chain_keys.clear()
+        self.n_published = 0
+        self.chain_end = None

@@ -100,6 +100,27 @@ class LayerBlockPool:
             self.k_slabs[slab][row] = k_rows[i]
             self.v_slabs[slab][row] = v_rows[i]
 
+    def write_rows(self, block: int, k_row: np.ndarray, v_row: np.ndarray) -> None:
+        """Store already-quantized rows (as `v_row`/`k_row` return them, or read from disk)."""
+        slab, row = self._locate(block)
+        self.k_slabs[slab][row] = k_row
+        self.v_slabs[slab][row] = v_row
+
+    def k_row(self, block: int) -> np.ndarray:
+        slab, row = self._locate(block)
+        return self.k_slabs[slab][row]
+
+    def v_row(self, block: int) -> np.ndarray:
+        slab, row = self._locate(block)
+        return self.v_slabs[slab][row]
+
+    @property
+    def n_free(self) -> int:
+        """Blocks allocate() can still hand out without growing past max_blocks."""
+        if self.max_blocks is None:
+            return 1 << 62
+        return len(self._free) + self.max_blocks - self.n_blocks
+
     def runs(self, blocks: list[int]) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """Group a sequence's blocks by slab: [(slab, rows in the slab, indices into `blocks`)]."""
         ids = np.asarray(blocks, dtype=np.int64)

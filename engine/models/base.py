@@ -104,10 +104,9 @@ class BaseModel(ABC):
                 Only those rows go through the (vocab × dim) output projection.
         """
         tokens = np.asarray(tokens, dtype=np.int64)
-        reserve = getattr(cache, "reserve", None)
-        if reserve is not None:
-            reserve(len(tokens))  # all layers or none: a full pool must not leave layers out of step
+        cache.begin_forward(tokens)  # room for all layers or none: layers must not get out of step
         h = self.hidden(tokens, cache)
+        cache.end_forward()
         if isinstance(logits_for, str):
             if logits_for == "last":
                 h = h[-1:]
@@ -127,9 +126,11 @@ class BaseModel(ABC):
         """K + V bytes per token over all layers at `bytes_per_value` (2 = float16)."""
         return self.kv_geometry.bytes_per_token(bytes_per_value)
 
-    def new_cache(self, kv=None, *, max_tokens: int | None = None, use_kernels: bool | None = None) -> KVCache:
+    def new_cache(self, kv=None, *, max_tokens: int | None = None, use_kernels: bool | None = None,
+                  **paged_options) -> KVCache:
         """A cache for one sequence: the paged cache for a KVConfig (or spec string), the plain
-        float16 reference cache for None."""
+        float16 reference cache for None. `paged_options` go to PagedKVCache (limit, overflow,
+        protected_tokens, pools, prefix_cache)."""
         if kv is None:
             return FullPrecisionCache(self.n_layers, self.n_kv_heads, self.head_dim, self.value_dim)
         from ..kv.config import parse_kv
@@ -139,8 +140,14 @@ class BaseModel(ABC):
             parse_kv(kv) if not hasattr(kv, "per_layer") else kv,
             n_layers=self.n_layers, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
             value_dim=self.value_dim, windows=[self.layer_window(i) for i in range(self.n_layers)],
-            max_tokens=max_tokens, use_kernels=use_kernels,
+            max_tokens=max_tokens, use_kernels=use_kernels, rerotate=self.rerotate_keys, **paged_options,
         )
+
+    def rerotate_keys(self, layer: int, keys: np.ndarray, by: np.ndarray) -> np.ndarray:
+        """Move stored (post-RoPE) keys (T, Hkv, D) of `layer` by `by` (T,) positions: RoPE
+        rotations compose, so rotating by `by` equals having computed them `by` later. Used when
+        the cache drops older tokens and the rest move down to stay inside the trained context."""
+        raise NotImplementedError(f"{self.architecture} cannot re-position cached keys")
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of a layer, or None for full attention."""

@@ -161,3 +161,11 @@ class Model(BaseModel):
 
     def output(self, h: np.ndarray) -> np.ndarray:
         return self.lm_head(h)
+
+    def rerotate_keys(self, layer: int, keys: np.ndarray, by: np.ndarray) -> np.ndarray:
+        a = self.args
+        if a.is_global(layer):
+            cos, sin = rope_tables(np.asarray(by), a.head_dim, a.rope_base_global, a.rope_freq_scale_global)
+        else:
+            cos, sin = rope_tables(np.asarray(by), a.head_dim, a.rope_base_local)
+        return apply_rope(keys, cos, sin, neox=True)

@@ -139,3 +139,11 @@ class Model(BaseModel):
 
     def output(self, h: np.ndarray) -> np.ndarray:
         return self.lm_head(h)
+
+    def rerotate_keys(self, layer: int, keys: np.ndarray, by: np.ndarray) -> np.ndarray:
+        a = self.args
+        cos, sin = rope_tables(np.asarray(by), a.rope_dim, a.rope_base, a.rope_freq_scale)
+        r = a.rope_dim
+        if r == a.head_dim:
+            return apply_rope(keys, cos, sin, neox=False)
+        return np.concatenate([apply_rope(keys[..., :r], cos, sin, False), keys[..., r:]], axis=-1)

@@ -1,0 +1,494 @@
+"""Prefix reuse: full KV blocks shared between sequences by chained block hash, kept in memory
+(LRU) and, for pinned prefixes, on disk.
+
+A full block's key is
+
+    key_i = sha256(key_{i-1} | token ids of block i as int32)      key_{-1} = root
+    root  = sha256("omlx-kv-prefix" | format version | model file sha256 | layout)
+
+where `layout` names everything that changes the stored bytes: every layer's K and V format,
+block size, sink count and key rotation. Two prompts that start with the same tokens therefore
+share the keys of their common full blocks, and a different model or KV format shares none.
+
+Memory: the cache holds one reference on each block it knows (per layer), sequences hold theirs.
+An entry no sequence uses and nobody pinned is evictable; `entries` is ordered least recently
+used first, and a finished sequence touches its chain tail-first so that its tail blocks are
+evicted before its head. Lookup walks the chain and stops at the first miss.
+
+Sliding-window layers release blocks no query can see again, so an entry may hold None for such
+a layer; a lookup of n blocks only needs each window layer's blocks inside its window.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from .config import KVConfig
+from .formats import get_format
+from .paged import PagedKVCache
+from .pool import LayerBlockPool
+
+log = logging.getLogger("omlx.kv.prefix")
+
+FORMAT_VERSION = 1
+CACHE_DIR_ENV = "OMLX_CACHE_DIR"
+DEFAULT_DISK_BUDGET = 2 << 30  # bytes of saved prefixes before the least recently used go
+_MAGIC = b"OMLXKVP\0"
+_SUFFIX = ".kvprefix"
+
+
+def cache_dir() -> Path:
+    """``$OMLX_CACHE_DIR`` if set, else the per-user cache folder."""
+    override = os.environ.get(CACHE_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("omlx-desktop"))
+
+
+def model_fingerprint(gguf) -> str:
+    """The model file's sha256, remembered per (path, size, mtime) in the cache folder: hashing
+    a multi-GB file on every start would cost seconds."""
+    path = Path(gguf.path).resolve()
+    st = path.stat()
+    memo_key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    memo_path = cache_dir() / "model-sha256.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if isinstance(memo, dict) and isinstance(memo.get(memo_key), str):
+        return memo[memo_key]
+    digest = gguf.sha256()
+    memo = memo if isinstance(memo, dict) else {}
+    memo[memo_key] = digest
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(memo))
+        tmp.replace(memo_path)
+    except OSError as exc:
+        log.warning("cannot remember the model's sha256 in %s: %s", memo_path, exc)
+    return digest
+
+
+def layout_signature(config: KVConfig, n_layers: int) -> str:
+    """Everything about the KV layout that changes the bytes of a stored block."""
+    formats = [(get_format(p.k_bits, "k").name, get_format(p.v_bits, "v").name)
+               for p in config.per_layer(n_layers)]
+    return json.dumps({"formats": formats, "block_size": config.block_size, "sinks": config.sinks,
+                       "rotation": bool(config.rotation)}, separators=(",", ":"))
+
+
+@dataclass
+class Entry:
+    key: bytes
+    index: int  # block index in its chain: positions index*B .. (index+1)*B - 1
+    blocks: list[int | None]  # per layer pool block id (None: a window layer released it)
+    sinks: list[tuple[np.ndarray, np.ndarray]] | None = None  # block 0 only: per layer sink K, V
+    pins: int = 0
+    source: str = "memory"  # where it came from: "memory" (prefilled here) or "disk"
+
+
+@dataclass
+class Reuse:
+    """What a lookup found: `tokens` reused, `disk_tokens` of them read from disk."""
+
+    tokens: int = 0
+    disk_tokens: int = 0
+    keys: list[bytes] = field(default_factory=list)
+
+    @property
+    def source(self) -> str:
+        if not self.tokens:
+            return "none"
+        return "disk" if self.disk_tokens else "memory"
+
+
+class PrefixCache:
+    """Shared per-layer block pools of one (model, KV config) with a hash → blocks map.
+
+    Args:
+        model: the BaseModel (geometry, windows, key re-rotation).
+        config: the KV config every sequence made here uses.
+        model_id: the model file's sha256 (see model_fingerprint).
+        capacity_tokens: pool size per layer in tokens; sequences and cached blocks share it and
+            unused cached blocks are evicted when a sequence needs room.
+        disk: where pinned prefixes are saved (None: memory only).
+    """
+
+    def __init__(self, model, config: KVConfig, *, model_id: str, capacity_tokens: int,
+                 disk: "PrefixDiskStore | None" = None, use_kernels: bool | None = None):
+        self.model = model
+        self.config = config
+        self.model_id = model_id
+        self.B = config.block_size
+        self.n_layers = model.n_layers
+        self.signature = layout_signature(config, model.n_layers)
+        self.root = hashlib.sha256(
+            f"omlx-kv-prefix|{FORMAT_VERSION}|{model_id}|{self.signature}".encode()
+        ).digest()
+        max_blocks = -(-capacity_tokens // self.B)
+        self.pools = [
+            LayerBlockPool(get_format(p.k_bits, "k"), get_format(p.v_bits, "v"), model.n_kv_heads, self.B,
+                           model.head_dim, model.value_dim, max_blocks=max_blocks)
+            for p in config.per_layer(model.n_layers)
+        ]
+        self.entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self.disk = disk
+        self.use_kernels = use_kernels
+        self.windows = [model.layer_window(i) for i in range(model.n_layers)]
+
+    # -- keys --------------------------------------------------------------------------------
+    def chain_keys(self, token_ids, n_blocks: int | None = None, parent: bytes | None = None,
+                   start: int = 0) -> list[bytes]:
+        """Keys of full blocks start .. start+n-1 of `token_ids` (parent: key of block start-1)."""
+        ids = np.asarray(token_ids, dtype=np.int32)
+        n = len(ids) // self.B - start if n_blocks is None else n_blocks
+        keys, key = [], self.root if parent is None else parent
+        for i in range(start, start + n):
+            key = hashlib.sha256(key + ids[i * self.B : (i + 1) * self.B].tobytes()).digest()
+            keys.append(key)
+        return keys
+
+    # -- sequences ---------------------------------------------------------------------------
+    def new_sequence(self, *, limit: int | None = None, overflow: str = "stop",
+                     protected_tokens: int = 0) -> PagedKVCache:
+        return self.model.new_cache(self.config, pools=self.pools, prefix_cache=self, limit=limit,
+                                    overflow=overflow, protected_tokens=protected_tokens,
+                                    use_kernels=self.use_kernels)
+
+    def _usable(self, keys: list[bytes]) -> int:
+        """How many leading blocks of `keys` a new sequence can attach: all in memory, and every
+        window layer has the blocks its window needs at that point."""
+        n = 0
+        while n < len(keys) and keys[n] in self.entries:
+            n += 1
+        while n > 0:
+            entries = [self.entries[k] for k in keys[:n]]
+            ok = True
+            for layer, window in enumerate(self.windows):
+                if window is None:
+                    continue
+                first = max(0, (n * self.B - window + 1) // self.B)
+                if any(e.blocks[layer] is None for e in entries[first:]):
+                    ok = False
+                    break
+            if ok and all(e.blocks[layer] is not None for e in entries
+                          for layer, w in enumerate(self.windows) if w is None):
+                return n
+            n -= 1
+        return 0
+
+    def attach(self, seq: PagedKVCache, token_ids) -> Reuse:
+        """Start the empty sequence `seq` on the longest cached prefix of `token_ids` (from
+        memory, else from disk); at least the last token is left to prefill, for its logits."""
+        if seq.offset:
+            raise ValueError("attach needs an empty sequence")
+        max_blocks = (len(token_ids) - 1) // self.B
+        keys = self.chain_keys(token_ids, max_blocks)
+        n = self._usable(keys)
+        disk_tokens = 0
+        if self.disk is not None and n < len(keys):
+            loaded = self.disk.load_longest(self, keys, token_ids, start=n)
+            if loaded:
+                n_after = self._usable(keys)
+                disk_tokens = (n_after - n) * self.B
+                n = n_after
+        if n == 0:
+            return Reuse()
+        entries = [self.entries[k] for k in keys[:n]]
+        sinks = entries[0].sinks
+        for layer, cache in enumerate(seq.layers):
+            sk, sv = sinks[layer] if sinks is not None else (None, None)
+            cache.attach([e.blocks[layer] for e in entries], sk, sv)
+        seq.token_ids = [int(t) for t in token_ids[: n * self.B]]
+        seq.history = list(seq.token_ids)
+        seq.chain_keys = list(keys[:n])
+        seq.n_published = n
+        self.touch(keys[:n])
+        return Reuse(tokens=n * self.B, disk_tokens=disk_tokens, keys=list(keys[:n]))
+
+    def publish(self, seq: PagedKVCache, start: int, stop: int) -> None:
+        """Register the sequence's full blocks start .. stop-1 (called as they fill up)."""
+        parent = seq.chain_keys[start - 1] if start else None
+        keys = self.chain_keys(seq.token_ids, stop - start, parent=parent, start=start)
+        for i, key in zip(range(start, stop), keys):
+            if key not in self.entries:
+                blocks = [layer.block_at(i) for layer in seq.layers]
+                for pool, b in zip(self.pools, blocks):
+                    if b is not None:
+                        pool.incref(b)
+                sinks = None
+                if i == 0:
+                    sinks = [(layer.sink_k.copy(), layer.sink_v.copy()) for layer in seq.layers]
+                self.entries[key] = Entry(key, i, blocks, sinks)
+            else:
+                self.entries.move_to_end(key)
+        seq.chain_keys[start:] = keys
+        seq.n_published = stop
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark entries as just used, in the given order (the last is the most recent)."""
+        for key in keys:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+
+    # -- pinning -----------------------------------------------------------------------------
+    def pin(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self.entries[key].pins += 1
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        """Release pins; the blocks stay cached (most recently used) until memory is needed."""
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None and entry.pins > 0:
+                entry.pins -= 1
+
+    def pinned_tokens(self) -> int:
+        return sum(self.B for e in self.entries.values() if e.pins)
+
+    # -- eviction ----------------------------------------------------------------------------
+    def _evictable(self, entry: Entry) -> bool:
+        if entry.pins:
+            return False
+        return all(b is None or pool.ref_cnt[b] == 1 for pool, b in zip(self.pools, entry.blocks))
+
+    def _drop_entry(self, entry: Entry) -> None:
+        for pool, b in zip(self.pools, entry.blocks):
+            if b is not None:
+                pool.decref(b)
+        del self.entries[entry.key]
+
+    def evict(self, layer_needs: dict[int, int]) -> int:
+        """Evict least recently used unpinned entries no sequence uses until each layer in
+        `layer_needs` has at least that many free blocks (or nothing more can go). Returns the
+        number of entries evicted."""
+        def short() -> bool:
+            return any(self.pools[i].n_free < n for i, n in layer_needs.items())
+
+        evicted = 0
+        for entry in list(self.entries.values()):
+            if not short():
+                break
+            if self._evictable(entry):
+                self._drop_entry(entry)
+                evicted += 1
+        if evicted:
+            log.debug("evicted %d cached blocks", evicted)
+        return evicted
+
+    def clear(self) -> None:
+        """Forget every unpinned entry no sequence uses."""
+        for entry in list(self.entries.values()):
+            if self._evictable(entry):
+                self._drop_entry(entry)
+
+    # -- accounting --------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Rows of every block in use by sequences or held by the cache."""
+        return sum(p.used_bytes for p in self.pools)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pools)
+
+    def save(self, keys: list[bytes]) -> Path | None:
+        """Write the chain ending at keys[-1] to disk (no-op without a disk store)."""
+        if self.disk is None or not keys:
+            return None
+        return self.disk.save(self, keys)
+
+
+class PrefixFileError(Exception):
+    """A saved prefix that cannot be trusted."""
+
+
+class PrefixDiskStore:
+    """Saved prefixes, one file per chain, named by the chain's last key.
+
+    File layout (little-endian):
+        8 bytes   magic "OMLXKVP\\0"
+        u32       format version
+        u32       header length h
+        h bytes   header, JSON: model sha256, layout signature, chain keys (hex), per layer the
+                  K/V row sizes and which blocks are present, sink shape, payload size and sha256
+        payload   per layer: K rows of its present blocks, then their V rows (as stored in the
+                  pool); then per layer the sink keys and values (float32)
+    Anything that does not match (magic, version, model, layout, keys, sizes, checksum) makes
+    the file ignored with a warning and removed: it is never trusted.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None, budget_bytes: int = DEFAULT_DISK_BUDGET):
+        self.directory = Path(directory) if directory is not None else cache_dir() / "prefixes"
+        self.budget_bytes = budget_bytes
+
+    def path_for(self, key: bytes) -> Path:
+        return self.directory / (key.hex() + _SUFFIX)
+
+    # -- writing -----------------------------------------------------------------------------
+    def save(self, cache: PrefixCache, keys: list[bytes]) -> Path | None:
+        path = self.path_for(keys[-1])
+        if path.exists():
+            os.utime(path)
+            return path
+        entries = [cache.entries[k] for k in keys]
+        layers, parts = [], []
+        for layer, pool in enumerate(cache.pools):
+            present = [e.blocks[layer] is not None for e in entries]
+            ids = [e.blocks[layer] for e in entries if e.blocks[layer] is not None]
+            parts.extend(pool.k_row(b).tobytes() for b in ids)
+            parts.extend(pool.v_row(b).tobytes() for b in ids)
+            layers.append({"k_row": pool.k_row_bytes, "v_row": pool.v_row_bytes,
+                           "present": "".join("1" if p else "0" for p in present)})
+        sinks = entries[0].sinks
+        sink_shape = list(sinks[0][0].shape) if sinks else []
+        if sinks:
+            for sk, sv in sinks:
+                parts.append(np.ascontiguousarray(sk, np.float32).tobytes())
+                parts.append(np.ascontiguousarray(sv, np.float32).tobytes())
+        payload = b"".join(parts)
+        header = json.dumps({
+            "version": FORMAT_VERSION, "model": cache.model_id, "layout": cache.signature,
+            "keys": [k.hex() for k in keys], "layers": layers, "sink_shape": sink_shape,
+            "sink_v_dim": int(sinks[0][1].shape[-1]) if sinks else 0,
+            "payload_bytes": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest(),
+        }).encode()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(_MAGIC + struct.pack("<II", FORMAT_VERSION, len(header)) + header + payload)
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("cannot save the cached prefix to %s: %s", path, exc)
+            return None
+        log.info("saved %d cached tokens to %s (%.1f MiB)", len(keys) * cache.B, path,
+                 path.stat().st_size / 2**20)
+        self.enforce_budget(keep=path)
+        return path
+
+    def enforce_budget(self, keep: Path | None = None) -> None:
+        """Remove the least recently used files until the total fits the budget."""
+        try:
+            files = sorted(self.directory.glob("*" + _SUFFIX), key=lambda p: p.stat().st_mtime)
+        except OSError:
+            return
+        total = sum(p.stat().st_size for p in files)
+        for p in files:
+            if total <= self.budget_bytes:
+                break
+            if keep is not None and p == keep:
+                continue
+            size = p.stat().st_size
+            p.unlink(missing_ok=True)
+            total -= size
+            log.info("removed cached prefix %s (disk budget %.0f MiB)", p.name, self.budget_bytes / 2**20)
+
+    # -- reading -----------------------------------------------------------------------------
+    def load_longest(self, cache: PrefixCache, keys: list[bytes], token_ids, start: int = 0) -> int:
+        """Load the longest saved chain that is a prefix of `keys` and longer than `start`
+        blocks; returns the number of blocks it covers (0: none usable)."""
+        for n in range(len(keys), start, -1):
+            path = self.path_for(keys[n - 1])
+            if not path.exists():
+                continue
+            try:
+                self._load(cache, path, keys[:n])
+            except PrefixFileError as exc:
+                log.warning("ignoring cached prefix %s: %s", path, exc)
+                path.unlink(missing_ok=True)
+                continue
+            except OSError as exc:
+                log.warning("cannot read cached prefix %s: %s", path, exc)
+                continue
+            os.utime(path)
+            return n
+        return 0
+
+    def _load(self, cache: PrefixCache, path: Path, keys: list[bytes]) -> None:
+        data = path.read_bytes()
+        if len(data) < 16 or data[:8] != _MAGIC:
+            raise PrefixFileError("not a saved KV prefix")
+        version, header_len = struct.unpack("<II", data[8:16])
+        if version != FORMAT_VERSION:
+            raise PrefixFileError(f"format version {version}, this build reads {FORMAT_VERSION}")
+        try:
+            header = json.loads(data[16 : 16 + header_len])
+        except ValueError as exc:
+            raise PrefixFileError(f"damaged header ({exc})") from None
+        payload = data[16 + header_len :]
+        if header.get("model") != cache.model_id:
+            raise PrefixFileError("saved for another model file")
+        if header.get("layout") != cache.signature:
+            raise PrefixFileError("saved with another KV layout")
+        if header.get("keys") != [k.hex() for k in keys]:
+            raise PrefixFileError("its block chain does not match the prompt")
+        if header.get("payload_bytes") != len(payload):
+            raise PrefixFileError(f"truncated ({len(payload)} of {header.get('payload_bytes')} payload bytes)")
+        if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+            raise PrefixFileError("checksum mismatch")
+        layers = header["layers"]
+        if len(layers) != len(cache.pools):
+            raise PrefixFileError("layer count differs")
+        n = len(keys)
+        offset = 0
+        rows: list[tuple[list[bool], list[bytes], list[bytes]]] = []
+        for pool, meta in zip(cache.pools, layers):
+            if meta["k_row"] != pool.k_row_bytes or meta["v_row"] != pool.v_row_bytes or len(meta["present"]) != n:
+                raise PrefixFileError("block sizes differ")
+            present = [c == "1" for c in meta["present"]]
+            m = sum(present)
+            k = [payload[offset + j * pool.k_row_bytes : offset + (j + 1) * pool.k_row_bytes] for j in range(m)]
+            offset += m * pool.k_row_bytes
+            v = [payload[offset + j * pool.v_row_bytes : offset + (j + 1) * pool.v_row_bytes] for j in range(m)]
+            offset += m * pool.v_row_bytes
+            rows.append((present, k, v))
+        sinks = None
+        if header["sink_shape"]:
+            Hkv, S, D = header["sink_shape"]
+            Dv = header["sink_v_dim"]
+            sinks = []
+            for _ in cache.pools:
+                sk = np.frombuffer(payload, np.float32, Hkv * S * D, offset).reshape(Hkv, S, D).copy()
+                offset += sk.nbytes
+                sv = np.frombuffer(payload, np.float32, Hkv * S * Dv, offset).reshape(Hkv, S, Dv).copy()
+                offset += sv.nbytes
+                sinks.append((sk, sv))
+        if offset != len(payload):
+            raise PrefixFileError("payload size does not match its layout")
+        # Make room for the blocks first, so a full pool fails before anything changes.
+        needs = {i: sum(p) for i, (p, _, _) in enumerate(rows)}
+        cache.evict(layer_needs=needs)
+        if any(cache.pools[i].n_free < need for i, need in needs.items()):
+            raise OSError("not enough KV memory to load it")
+        row_of = [np.cumsum(present) - 1 for present, _, _ in rows]  # block i → its row in the file
+        for i, key in enumerate(keys):
+            if key in cache.entries:
+                continue
+            blocks: list[int | None] = []
+            for layer, (present, k, v) in enumerate(rows):
+                if not present[i]:
+                    blocks.append(None)
+                    continue
+                j = int(row_of[layer][i])
+                pool = cache.pools[layer]
+                b = pool.allocate()
+                pool.write_rows(b, np.frombuffer(k[j], np.uint8), np.frombuffer(v[j], np.uint8))
+                blocks.append(b)
+            cache.entries[key] = Entry(key, i, blocks, sinks if i == 0 else None, source="disk")
+        log.info("loaded %d cached tokens from %s", n * cache.B, path)
