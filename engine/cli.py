@@ -201,15 +201,33 @@ def cmd_logprobs(args) -> int:
     return 0
 
 
-def cmd_chat(args) -> int:
+def _session(args):
+    """Engine + Session with the documents of --doc pinned (prefilled with progress)."""
+    from .session import Session
+
     engine = _load_engine(args)
+    session = Session(engine, system_prompt=getattr(args, "system", None), ctx=args.ctx, overflow=args.overflow)
+    for path in args.doc or []:
+        doc = session.add_document(path, prefill=args.prefill_docs)
+        print(f"pinned {doc.name}: {doc.n_tokens:,} tokens", file=sys.stderr)
+    return engine, session
+
+
+def _stats_line(s) -> str:
+    parts = [f"{s.generated_tokens} tokens", f"TTFT {s.ttft_s:.2f} s", f"{s.decode_tok_s:.1f} tok/s",
+             f"{s.cached_tokens:,}/{s.prompt_tokens:,} prompt tokens cached ({s.cache_source})"]
+    if s.dropped_tokens:
+        parts.append(f"{s.dropped_tokens:,} dropped at the context limit")
+    return "[" + ", ".join(parts) + "]"
+
+
+def cmd_chat(args) -> int:
+    args.prefill_docs = True
+    engine, session = _session(args)
     sampling = _sampling(args)
-    messages: list[dict] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    transcript = ""
     mode = "chat" if engine.has_chat_template else "completion"
-    print(f"{engine.name} ({mode}). Empty line or /quit to leave, /reset to start over.", file=sys.stderr)
+    print(f"{engine.name} ({mode}, context {session.ctx:,}, overflow {session.overflow}). "
+          "Empty line or /quit to leave, /reset to start over.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -219,15 +237,9 @@ def cmd_chat(args) -> int:
         if line.strip() in ("", "/quit", "/exit"):
             return 0
         if line.strip() == "/reset":
-            messages, transcript = messages[:1] if args.system else [], ""
+            session.reset()
             continue
-        if engine.has_chat_template:
-            messages.append({"role": "user", "content": line})
-            prompt_ids = engine.encode_chat(messages)
-        else:
-            transcript += line
-            prompt_ids = engine.encode_prompt(transcript)
-        gen = engine.stream(prompt_ids, max_tokens=args.max_tokens, sampling=sampling)
+        gen = session.send(line, max_tokens=args.max_tokens, sampling=sampling)
         try:
             for chunk in gen:
                 sys.stdout.write(chunk.text)
@@ -236,12 +248,34 @@ def cmd_chat(args) -> int:
             pass
         result = gen.result
         sys.stdout.write("\n")
+        print(_stats_line(result.stats), file=sys.stderr)
+
+
+def cmd_ask(args) -> int:
+    """Questions in turn about pinned documents, each answered on its own (not a conversation);
+    the document is prefilled by the first question, so its TTFT is the cold one."""
+    args.prefill_docs = False
+    engine, session = _session(args)
+    sampling = _sampling(args)
+    questions = list(args.question or [])
+    if args.questions_file:
+        questions += [q.strip() for q in Path(args.questions_file).read_text().splitlines() if q.strip()]
+    if not questions:
+        raise CLIError("give at least one --question (or --questions-file)")
+    answers = []
+    for q in questions:
+        result = session.ask(q, max_tokens=args.max_tokens, sampling=sampling).result
         s = result.stats
-        print(f"[{s.generated_tokens} tokens, TTFT {s.ttft_s:.2f} s, {s.decode_tok_s:.1f} tok/s]", file=sys.stderr)
-        if engine.has_chat_template:
-            messages.append({"role": "assistant", "content": result.text})
-        else:
-            transcript += result.text
+        answers.append({"question": q, "text": result.text, "ids": result.ids,
+                        "finish_reason": result.finish_reason, "stats": s.as_dict()})
+        if not args.json:
+            print(f"Q: {q}\nA: {result.text.strip()}")
+            print(_stats_line(s), file=sys.stderr)
+    if args.json:
+        docs = [{"name": d.name, "tokens": d.n_tokens, "cached": d.cached} for d in session.documents]
+        print(json.dumps({"model": engine.name, "kv": str(engine.kv_config), "ctx": session.ctx,
+                          "overflow": session.overflow, "documents": docs, "answers": answers}))
+    return 0
 
 
 def _geometry(args):
@@ -378,6 +412,17 @@ def _add_kv(p: argparse.ArgumentParser, default: str | None) -> None:
                         f"k4v4,0-3:k8v8,-2..-1:k8v8 (default: {shown})")
 
 
+def _add_session(p) -> None:
+    from .kv.paged import OVERFLOW_POLICIES
+
+    p.add_argument("--doc", action="append", metavar="FILE",
+                   help="pin a document (.txt, .md, .pdf) into the prompt prefix (repeatable)")
+    p.add_argument("--ctx", type=int, help="context limit in tokens (default: the model's)")
+    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="rolling",
+                   help="at the context limit: stop, rolling (drop oldest conversation), "
+                        "attention (drop least attended)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     model_help = "a catalog name (see `omlx models list`) or a path to a .gguf file"
     parser = argparse.ArgumentParser(prog="omlx", description="Run quantized GGUF models on the CPU.")
@@ -425,9 +470,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat in the terminal")
     p.add_argument("model", nargs="?", default=catalog.DEFAULT_MODEL, help=model_help)
     p.add_argument("--system", help="system prompt")
+    _add_session(p)
     _add_sampling(p)
     _add_kv(p, None)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("ask", help="questions in turn about pinned documents, with per-question stats")
+    p.add_argument("model", nargs="?", default=catalog.DEFAULT_MODEL, help=model_help)
+    p.add_argument("--question", action="append", help="a question (repeatable, answered in turn)")
+    p.add_argument("--questions-file", help="a file with one question per line")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--json", action="store_true", help="print one JSON object: answers with stats")
+    _add_session(p)
+    _add_sampling(p)
+    _add_kv(p, None)
+    p.set_defaults(func=cmd_ask)
 
     p = sub.add_parser("info", help="architecture, sizes, quant types, KV bytes per token")
     p.add_argument("model", help=model_help)

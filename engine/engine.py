@@ -17,6 +17,7 @@ from .gguf_file import GGUFError, GGUFFile
 from .kv.cache import KVCache
 from .kv.config import KVConfig, parse_kv
 from .kv.formats import get_format
+from .kv.paged import ContextFull
 from .memory import PeakRSS
 from .models import load_model
 from .models.base import BaseModel
@@ -45,6 +46,10 @@ class GenerationStats:
     peak_rss_bytes: int = 0
     kv_bytes: int = 0  # KV bytes this sequence holds (block rows in use + tail/sink buffers)
     kv_capacity_bytes: int = 0  # KV bytes allocated (whole pool slabs)
+    cached_tokens: int = 0  # prompt tokens reused from the KV cache instead of prefilled
+    cache_source: str = "none"  # where they came from: "memory", "disk" or "none"
+    dropped_tokens: int = 0  # tokens the overflow policy dropped during this turn
+    pinned_tokens: int = 0  # prompt tokens of pinned documents (and system prompt) held pinned
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -121,6 +126,10 @@ class Engine:
         self.name = str(gguf.get("general.name") or gguf.path.stem)
         self.kv_config = parse_kv(kv)
         self.kv_config.per_layer(model.n_layers)  # an override past the last layer fails here
+        self.disk_cache = True  # save pinned prefixes under the user's cache folder
+        self.prefix_capacity_tokens = 2 * model.context_length
+        self._prefix = None
+        self._model_id: str | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike, progress: Callable[[str, float], None] | None = None,
@@ -155,6 +164,28 @@ class Engine:
         config.per_layer(self.model.n_layers)
         self.kv_config = config
         self.log_kv_scheme()
+
+    @property
+    def model_id(self) -> str:
+        """The model file's sha256 (remembered on disk per path, size and mtime)."""
+        if self._model_id is None:
+            from .kv.prefix import model_fingerprint
+
+            self._model_id = model_fingerprint(self.gguf)
+        return self._model_id
+
+    def prefix_cache(self):
+        """The shared block pools and prefix cache for the current KV config. A new config gets
+        a new cache; the old one's blocks are released when the sessions holding it move on."""
+        from .kv.prefix import PrefixCache, PrefixDiskStore
+
+        if self._prefix is None or self._prefix.config != self.kv_config:
+            if self._prefix is not None:
+                self._prefix.clear()
+            disk = PrefixDiskStore() if self.disk_cache else None
+            self._prefix = PrefixCache(self.model, self.kv_config, model_id=self.model_id,
+                                       capacity_tokens=self.prefix_capacity_tokens, disk=disk)
+        return self._prefix
 
     def kv_scheme(self) -> list[tuple[str, str, str]]:
         """Per-layer K/V formats, run-length grouped: [(layers, K format, V format)]."""
@@ -217,17 +248,35 @@ class Engine:
         """Append `ids` to the cache in chunks; returns the last position's logits (vocab,)."""
         ids = np.asarray(ids, dtype=np.int64)
         logits = None
-        for start in range(0, len(ids), PREFILL_CHUNK):
+        step = self._chunk_size(cache)
+        for start in range(0, len(ids), step):
             if cancel is not None and cancel.is_set():
                 return None
-            chunk = ids[start : start + PREFILL_CHUNK]
+            chunk = ids[start : start + step]
             last = start + len(chunk) >= len(ids)
-            out = self.model.forward(chunk, cache, "last" if last else np.empty(0, np.int64))
+            try:
+                out = self.model.forward(chunk, cache, "last" if last else np.empty(0, np.int64))
+            except ContextFull as exc:
+                raise EngineError(str(exc)) from None
             if last:
                 logits = out[0]
             if progress:
                 progress(min(start + len(chunk), len(ids)), len(ids))
         return logits
+
+    @staticmethod
+    def _chunk_size(cache: KVCache) -> int:
+        """Prefill chunk: PREFILL_CHUNK, or less when a context-limited cache has less room
+        beside what it may never drop (so the overflow policy can always make room)."""
+        limit = getattr(cache, "limit", None)
+        if limit is None:
+            return PREFILL_CHUNK
+        room = limit - cache.protected_blocks() * cache.config.block_size
+        return max(1, min(PREFILL_CHUNK, room // 2))
+
+    @staticmethod
+    def _can_drop(cache: KVCache) -> bool:
+        return getattr(cache, "limit", None) is not None and getattr(cache, "overflow", "stop") != "stop"
 
     def stream(
         self,
@@ -251,8 +300,8 @@ class Engine:
         sampling = sampling or SamplingParams()
         sampling.validate()
         cache = cache if cache is not None else self.new_cache()
-        limit = self.model.context_length
-        if cache.offset + len(prompt_ids) >= limit:
+        limit = min(self.model.context_length, getattr(cache, "limit", None) or self.model.context_length)
+        if not self._can_drop(cache) and cache.offset + len(prompt_ids) >= limit:
             raise EngineError(
                 f"the prompt is {len(prompt_ids):,} tokens but the context holds {limit:,} "
                 f"({cache.offset:,} already used)"
@@ -267,6 +316,9 @@ class Engine:
         peak = PeakRSS()
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         t_start = time.perf_counter()
+        dropped_before = getattr(cache, "dropped_tokens", 0)
+        limit = min(self.model.context_length, getattr(cache, "limit", None) or self.model.context_length)
+        can_drop = self._can_drop(cache)
 
         def finish(reason: str, ids: list[int], text: str, t_first: float | None):
             now = time.perf_counter()
@@ -277,6 +329,7 @@ class Engine:
             stats.peak_rss_bytes = max(peak.peak, peak.sample())
             stats.kv_bytes = cache.nbytes
             stats.kv_capacity_bytes = getattr(cache, "capacity_bytes", cache.nbytes)
+            stats.dropped_tokens = getattr(cache, "dropped_tokens", 0) - dropped_before
             log.info("generation: peak RSS %.1f MiB, KV %.2f MiB in use, %.2f MiB allocated (%s)",
                      stats.peak_rss_bytes / 2**20, stats.kv_bytes / 2**20,
                      stats.kv_capacity_bytes / 2**20, reason)
@@ -323,10 +376,14 @@ class Engine:
                 break
             if len(ids) >= max_tokens:
                 break
-            if cache.offset + 1 >= self.model.context_length:
+            if cache.offset + 1 >= limit and not can_drop:
                 reason = "context_full"
                 break
-            logits = self.model.forward([token], cache, "last")[0]
+            try:
+                logits = self.model.forward([token], cache, "last")[0]
+            except (ContextFull, MemoryError):
+                reason = "context_full"
+                break
             if len(ids) % 16 == 0:
                 peak.sample()
         if reason != "stop_string":
@@ -352,15 +409,18 @@ class Engine:
         n = len(tokens) - 1
         if n < 1:
             raise EngineError("need at least two tokens to evaluate")
-        if len(tokens) > self.model.context_length:
-            raise EngineError(f"{len(tokens):,} tokens exceed the context of {self.model.context_length:,}")
         cache = cache if cache is not None else self.new_cache()
+        if len(tokens) > self.model.context_length and not self._can_drop(cache):
+            raise EngineError(f"{len(tokens):,} tokens exceed the context of {self.model.context_length:,}")
         top_ids = np.empty((n, LOGPROB_TOP_K), np.int32)
         top_lp = np.empty((n, LOGPROB_TOP_K), np.float32)
         next_lp = np.empty(n, np.float32)
-        for start in range(0, n, PREFILL_CHUNK):
-            stop = min(start + PREFILL_CHUNK, n)
+        step = self._chunk_size(cache)
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            cache.begin_forward(tokens[start:stop])
             h = self.model.hidden(tokens[start:stop], cache)  # (c, dim)
+            cache.end_forward()
             # The (rows, vocab) float64 log-softmax is built a few rows at a time: with a 262K
             # vocabulary a whole chunk would take 1 GiB.
             for r0 in range(0, stop - start, _LOGPROB_ROWS):

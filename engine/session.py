@@ -1,0 +1,422 @@
+"""Session: a conversation with pinned documents over one Engine, reusing the KV cache.
+
+The prompt of every turn is laid out as
+
+    [system prompt + pinned documents, in the order added]  [conversation so far]  [new message]
+     ^ the pinned prefix: prefilled once, its full blocks pinned in the prefix cache and saved
+       to disk, so later turns, new conversations and later processes reuse them
+
+The session keeps one live sequence. A new turn whose prompt extends what the live sequence
+holds only prefills the new tokens; an edited or regenerated message trims the live sequence
+back to the edit; otherwise the longest cached prefix is attached from the prefix cache (memory,
+then disk). Near the context limit the sequence's overflow policy applies (stop / rolling /
+attention); the pinned prefix is never dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .engine import Engine, EngineError, Generation, GenerationResult, StreamChunk
+from .kv.paged import OVERFLOW_POLICIES, PagedKVCache
+from .kv.prefix import PrefixCache
+from .sampling import SamplingParams
+
+log = logging.getLogger("omlx.session")
+
+ANSWER_RESERVE = 256  # context tokens a pinned prefix must leave for a question and its answer
+TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".text", ".rst", ".csv", ".log", ".json", ".py"}
+
+
+class DocumentError(EngineError):
+    """A document that cannot be read or does not fit; the message is meant for the user."""
+
+
+def read_document(path: str | Path) -> str:
+    """The text of a .txt / .md (or other plain text) or .pdf file.
+
+    Raises:
+        DocumentError: unreadable, binary, not UTF-8 text, or a PDF without extractable text.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DocumentError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    if path.suffix.lower() == ".pdf" or data[:5] == b"%PDF-":
+        return _pdf_text(path, data)
+    if b"\x00" in data[:65536]:
+        raise DocumentError(
+            f"{path.name} looks like a binary file, not a document (use .txt, .md or .pdf)"
+        )
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DocumentError(
+            f"{path.name} is not UTF-8 text (byte {exc.start}): save it as UTF-8, or use .txt, .md or .pdf"
+        ) from None
+    if not text.strip():
+        raise DocumentError(f"{path.name} is empty")
+    return text.replace("\r\n", "\n")
+
+
+def _pdf_text(path: Path, data: bytes) -> str:
+    import io
+
+    try:
+        from pypdf import PdfReader
+        from pypdf.errors import PdfReadError
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise DocumentError("reading PDF files needs the 'pypdf' package") from None
+    try:
+        reader = PdfReader(io.BytesIO(data))
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except (PdfReadError, ValueError, KeyError, TypeError, OSError) as exc:
+        raise DocumentError(f"{path.name} is not a readable PDF ({exc})") from None
+    text = "\n\n".join(p.strip() for p in pages if p.strip())
+    if not text:
+        raise DocumentError(f"{path.name} has no text to read (a scanned PDF needs OCR first)")
+    return text
+
+
+@dataclass
+class Document:
+    name: str
+    text: str
+    path: str | None = None
+    pinned: bool = True
+    n_tokens: int = 0
+    cached: bool = False  # its blocks are prefilled and pinned in the KV cache
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    """A conversation with pinned documents.
+
+    Args:
+        engine: the loaded model.
+        system_prompt: text put first in the prompt (None: the chat template's default).
+        ctx: context limit in tokens (default: the model's trained context).
+        overflow: what happens at the limit: "stop", "rolling" (default) or "attention".
+    """
+
+    def __init__(self, engine: Engine, *, system_prompt: str | None = None, ctx: int | None = None,
+                 overflow: str = "rolling"):
+        self.engine = engine
+        self.system_prompt = system_prompt
+        self.ctx = engine.model.context_length if ctx is None else int(ctx)
+        if not 64 <= self.ctx <= engine.model.context_length:
+            raise EngineError(f"ctx must be between 64 and the model's context of "
+                              f"{engine.model.context_length:,} tokens, not {self.ctx:,}")
+        if overflow not in OVERFLOW_POLICIES:
+            raise EngineError(f"overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}, not {overflow!r}")
+        self.overflow = overflow
+        self.documents: list[Document] = []
+        self.messages: list[dict] = []
+        self._cache: PrefixCache | None = None
+        self._live: PagedKVCache | None = None
+        self._pinned_keys: list[bytes] = []
+        self._saved_key: bytes | None = None
+
+    # -- settings -------------------------------------------------------------------------
+    def set_overflow(self, policy: str) -> None:
+        if policy not in OVERFLOW_POLICIES:
+            raise EngineError(f"overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}, not {policy!r}")
+        self.overflow = policy
+        self._release_live()
+
+    def set_ctx(self, ctx: int) -> None:
+        if not 64 <= ctx <= self.engine.model.context_length:
+            raise EngineError(f"ctx must be between 64 and {self.engine.model.context_length:,}")
+        self.ctx = int(ctx)
+        self._release_live()
+
+    def _prefix_cache(self) -> PrefixCache:
+        """The engine's prefix cache for its current KV config; a config change drops the live
+        sequence and the pins made under the old one (their blocks go with the old cache)."""
+        cache = self.engine.prefix_cache()
+        if cache is not self._cache:
+            self._release_live()
+            if self._cache is not None:
+                self._cache.unpin(self._pinned_keys)
+            self._pinned_keys = []
+            self._saved_key = None
+            for doc in self.documents:
+                doc.cached = False
+            self._cache = cache
+        return cache
+
+    def _release_live(self) -> None:
+        if self._live is not None:
+            self._live.release()
+            self._live = None
+
+    def close(self) -> None:
+        """Release the live sequence and this session's pins."""
+        self._release_live()
+        if self._cache is not None:
+            self._cache.unpin(self._pinned_keys)
+        self._pinned_keys = []
+
+    # -- documents ------------------------------------------------------------------------
+    def _system_content(self, documents: Sequence[Document] | None = None) -> str | None:
+        docs = [d for d in (self.documents if documents is None else documents) if d.pinned]
+        parts = [self.system_prompt] if self.system_prompt else []
+        if docs:
+            parts.append("Answer using these documents.")
+            for d in docs:
+                parts.append(f"Document: {d.name}\n\n{d.text.strip()}")
+        return "\n\n".join(parts) if parts else None
+
+    def render(self, conversation: Sequence[dict], documents: Sequence[Document] | None = None,
+               add_generation_prompt: bool = True) -> tuple[list[int], int]:
+        """Token ids of a prompt and the length of its pinned prefix (0 if there is none)."""
+        e, tok = self.engine, self.engine.tokenizer
+        system = self._system_content(documents)
+        if e.has_chat_template:
+            system_msgs = [{"role": "system", "content": system}] if system else []
+            if not system_msgs:
+                return e.encode_chat(list(conversation), add_generation_prompt), 0
+            prefix_text = tok.apply_chat_template(system_msgs, add_generation_prompt=False)
+            full_text = tok.apply_chat_template(system_msgs + list(conversation),
+                                                add_generation_prompt=add_generation_prompt)
+            prefix_ids = e.encode_chat(system_msgs, add_generation_prompt=False)
+            if not full_text.startswith(prefix_text):  # a template that rewrites the system turn
+                return e.encode_chat(system_msgs + list(conversation), add_generation_prompt), 0
+            rest = full_text[len(prefix_text):]
+            return prefix_ids + (tok.encode(rest, add_bos=False, parse_special=True) if rest else []), len(prefix_ids)
+        # A base model: a plain transcript.
+        lines = []
+        for m in conversation:
+            who = "Question" if m["role"] == "user" else "Answer"
+            lines.append(f"{who}: {m['content'].strip()}")
+        rest = "\n".join(lines) + ("\nAnswer:" if add_generation_prompt else "")
+        if not system:
+            return tok.encode(rest, add_bos=True, parse_special=False), 0
+        prefix_ids = tok.encode(system + "\n\n", add_bos=True, parse_special=False)
+        return prefix_ids + tok.encode(rest, add_bos=False, parse_special=False), len(prefix_ids)
+
+    def prefix_tokens(self, documents: Sequence[Document] | None = None) -> int:
+        return self.render([], documents, add_generation_prompt=False)[1]
+
+    def add_document(self, source: str | Path | None = None, *, text: str | None = None,
+                     name: str | None = None, prefill: bool = True,
+                     progress: Callable[[int, int], None] | None = None,
+                     cancel: threading.Event | None = None) -> Document:
+        """Pin a document (a file, or `text`): it joins the prompt prefix after the system prompt
+        and the documents before it.
+
+        Raises:
+            DocumentError: unreadable, or too large for the context (nothing changes then).
+        """
+        if text is None:
+            if source is None:
+                raise DocumentError("add_document needs a file or text")
+            text = read_document(source)
+        if not text.strip():
+            raise DocumentError(f"{name or 'the document'} is empty")
+        name = name or (Path(source).name if source is not None else "document")
+        doc = Document(name=name, text=text, path=str(source) if source is not None else None)
+        doc.n_tokens = len(self.engine.tokenizer.encode(text, add_bos=False, parse_special=False))
+        others = self.prefix_tokens()
+        total = self.prefix_tokens(self.documents + [doc])
+        if total + ANSWER_RESERVE > self.ctx:
+            raise DocumentError(
+                f"{name} is {doc.n_tokens:,} tokens; with the system prompt and the other pinned "
+                f"documents ({others:,} tokens) the prompt would start with {total:,} tokens, but the "
+                f"context holds {self.ctx:,} and {ANSWER_RESERVE} are kept for the question and answer"
+            )
+        self.documents.append(doc)
+        if prefill:
+            self.prepare(progress=progress, cancel=cancel)
+        return doc
+
+    def set_pinned(self, doc_id: str, pinned: bool, *, prefill: bool = True,
+                   progress: Callable[[int, int], None] | None = None) -> None:
+        doc = self._document(doc_id)
+        if pinned and not doc.pinned:
+            total = self.prefix_tokens([d for d in self.documents if d.pinned or d is doc])
+            if total + ANSWER_RESERVE > self.ctx:
+                raise DocumentError(f"pinning {doc.name} would make the prompt start with {total:,} "
+                                    f"tokens; the context holds {self.ctx:,}")
+        doc.pinned = pinned
+        if not pinned:
+            doc.cached = False
+        self._repin()
+        if pinned and prefill:
+            self.prepare(progress=progress)
+
+    def remove_document(self, doc_id: str) -> None:
+        self.documents.remove(self._document(doc_id))
+        self._repin()
+
+    def _document(self, doc_id: str) -> Document:
+        for d in self.documents:
+            if d.id == doc_id:
+                return d
+        raise DocumentError(f"no document with id {doc_id}")
+
+    def prepare(self, progress: Callable[[int, int], None] | None = None,
+                cancel: threading.Event | None = None) -> int:
+        """Prefill the pinned prefix now (reusing what is cached) and pin it; returns the number
+        of prefix tokens that were already cached."""
+        ids, n_prefix = self.render([], add_generation_prompt=False)
+        if not n_prefix:
+            return 0
+        seq, reused, source = self._sequence_for(ids[:n_prefix], n_prefix)
+        if reused:
+            log.info("cache hit: %d of %d prompt tokens reused (from %s)", reused, n_prefix, source)
+        if reused < n_prefix:
+            if self.engine.prefill(ids[reused:n_prefix], seq, progress, cancel) is None:
+                return reused
+        elif progress:
+            progress(n_prefix, n_prefix)
+        self._pin(ids, n_prefix)
+        return reused
+
+    # -- pinning --------------------------------------------------------------------------
+    def _pin(self, ids: Sequence[int], n_prefix: int) -> int:
+        """Pin the full blocks of the prefix and save them to disk; returns pinned tokens."""
+        cache = self._prefix_cache()
+        n_blocks = n_prefix // cache.B
+        keys = [k for k in cache.chain_keys(ids[: n_blocks * cache.B]) if k in cache.entries]
+        keys = keys[: next((i for i, k in enumerate(keys) if k not in cache.entries), len(keys))]
+        cache.pin(keys)
+        cache.unpin(self._pinned_keys)
+        self._pinned_keys = keys
+        if keys and self._saved_key != keys[-1]:
+            cache.save(keys)
+            self._saved_key = keys[-1]
+        for doc in self.documents:
+            doc.cached = doc.pinned and bool(keys)
+        return n_prefix if keys else 0
+
+    def _repin(self) -> None:
+        """After the document set changed: unpin what is no longer the prefix."""
+        if self._cache is None:
+            return
+        ids, n_prefix = self.render([], add_generation_prompt=False)
+        keep = set(self._cache.chain_keys(ids[: n_prefix - n_prefix % self._cache.B])) if n_prefix else set()
+        dropped = [k for k in self._pinned_keys if k not in keep]
+        self._cache.unpin(dropped)
+        self._pinned_keys = [k for k in self._pinned_keys if k in keep]
+
+    # -- turns ----------------------------------------------------------------------------
+    def _sequence_for(self, ids: Sequence[int], n_prefix: int) -> tuple[PagedKVCache, int, str]:
+        """A sequence holding the longest reusable prefix of `ids` (leaving at least one token
+        to prefill): the live one, trimmed or extended, or a new one from the prefix cache."""
+        cache = self._prefix_cache()
+        live = self._live
+        if live is not None:
+            history = live.history
+            common = _common_prefix(history, ids)
+            if live.dropped_tokens:
+                if common == len(history) and len(ids) > common:
+                    live.protected_tokens = n_prefix
+                    return live, common, "memory"
+            else:
+                common = min(common, len(ids) - 1)
+                in_memory = cache._usable(cache.chain_keys(ids, (len(ids) - 1) // cache.B)) * cache.B
+                if common > 0 and common >= in_memory:
+                    try:
+                        live.trim(len(history) - common)
+                        live.protected_tokens = n_prefix
+                        return live, common, "memory"
+                    except ValueError:
+                        pass  # a sliding window already released what the trim needs
+            self._release_live()
+        seq = cache.new_sequence(limit=self.ctx, overflow=self.overflow, protected_tokens=n_prefix)
+        reuse = cache.attach(seq, ids)
+        self._live = seq
+        return seq, reuse.tokens, reuse.source
+
+    def _turn(self, conversation: list[dict], *, record: bool, max_tokens: int = 256,
+              sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+              cancel: threading.Event | None = None,
+              prefill_progress: Callable[[int, int], None] | None = None) -> Generation:
+        ids, n_prefix = self.render(conversation)
+        if n_prefix + ANSWER_RESERVE > self.ctx and n_prefix:
+            raise DocumentError(f"the pinned documents take {n_prefix:,} of the {self.ctx:,} context tokens")
+        seq, reused, source = self._sequence_for(ids, n_prefix)
+        if reused:
+            log.info("cache hit: %d of %d prompt tokens reused (from %s)", reused, len(ids), source)
+        else:
+            log.info("cache miss: %d prompt tokens to prefill", len(ids))
+        gen = self.engine.stream(ids[reused:], max_tokens=max_tokens, sampling=sampling, stop=stop,
+                                 cache=seq, cancel=cancel, prefill_progress=prefill_progress)
+        holder: list[GenerationResult] = []
+
+        def run():
+            for chunk in gen:
+                yield chunk
+            result = gen.result
+            st = result.stats
+            st.prompt_tokens = len(ids)
+            st.cached_tokens = reused
+            st.cache_source = source
+            if n_prefix and result.finish_reason != "cancelled":
+                st.pinned_tokens = self._pin(ids, n_prefix)
+            if record:
+                message = {"role": "assistant", "content": result.text}
+                if result.finish_reason == "cancelled":
+                    message["interrupted"] = True
+                self.messages.append(message)
+            holder.append(result)
+
+        return Generation(run(), holder)
+
+    def send(self, text: str, **options) -> Generation:
+        """Add a user message and start the answer (iterate the Generation for text)."""
+        if not text.strip():
+            raise EngineError("the message is empty")
+        self.messages.append({"role": "user", "content": text})
+        try:
+            return self._turn(self._conversation(), record=True, **options)
+        except Exception:
+            self.messages.pop()
+            raise
+
+    def ask(self, question: str, **options) -> Generation:
+        """Answer a question about the pinned documents, outside the conversation (the
+        conversation is neither part of the prompt nor extended)."""
+        if not question.strip():
+            raise EngineError("the question is empty")
+        return self._turn([{"role": "user", "content": question}], record=False, **options)
+
+    def regenerate(self, **options) -> Generation:
+        """Answer the last user message again (the previous answer is replaced)."""
+        while self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        if not self.messages:
+            raise EngineError("there is no message to answer")
+        return self._turn(self._conversation(), record=True, **options)
+
+    def edit(self, index: int, text: str, **options) -> Generation:
+        """Replace user message `index`, forget everything after it, and answer it again."""
+        if not 0 <= index < len(self.messages) or self.messages[index]["role"] != "user":
+            raise EngineError(f"message {index} is not a user message")
+        del self.messages[index:]
+        return self.send(text, **options)
+
+    def _conversation(self) -> list[dict]:
+        return [{"role": m["role"], "content": m["content"]} for m in self.messages]
+
+    def reset(self) -> None:
+        """Start a new conversation with the same documents (their blocks stay pinned)."""
+        self.messages.clear()
+
+
+__all__ = ["Session", "Document", "DocumentError", "read_document", "ANSWER_RESERVE", "StreamChunk"]
