@@ -466,6 +466,7 @@ class PagedKVCache(KVCache):
         self.protected_tokens = protected_tokens
         self.rerotate = rerotate  # (layer, keys (T, Hkv, D), by (T,)) → keys; the model's
         self.dropped_tokens = 0
+        self.keep_sink_blocks = max(1, -(-config.sinks // config.block_size))
         self.token_ids: list[int] = []  # the tokens the cache holds, in position order
         self.history: list[int] = []  # every token appended, dropped ones included
         self.chain_keys: list[bytes] = []  # prefix-cache keys of the leading full blocks
@@ -520,8 +521,10 @@ class PagedKVCache(KVCache):
                 raise MemoryError(f"the KV cache of layer {i} is full ({pool.max_blocks} blocks)")
 
     def protected_blocks(self) -> int:
+        """Leading full blocks no policy drops: the pinned prefix, and the sink block(s) unless
+        `keep_sink_blocks` was set to 0 (window-only dropping, for comparison in benchmarks)."""
         B = self.config.block_size
-        return max(1, -(-self.protected_tokens // B), -(-self.config.sinks // B))
+        return max(self.keep_sink_blocks, -(-self.protected_tokens // B))
 
     def make_room(self, n_tokens: int) -> int:
         """Apply the overflow policy so n_tokens more fit under `limit`; returns tokens dropped.
