@@ -278,6 +278,28 @@ def cmd_ask(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+    from .engine import Engine
+
+    engine = Engine.load(_resolve(args.model))
+    doc = Path(args.doc) if args.doc else bench.DEFAULT_DOC
+    questions = bench.read_questions(Path(args.questions) if args.questions else bench.DEFAULT_QUESTIONS)
+    if not questions:
+        raise CLIError("the questions file has no questions")
+    specs = [str(parse_kv(s)) for s in (args.kv or ["full", "k8v8", "k6v4", "k4v4"])]
+    results = bench.run_bench(engine, specs, doc=doc, questions=questions, max_tokens=args.max_tokens,
+                              ctx=args.ctx, kl_tokens=args.kl_tokens,
+                              progress=lambda msg: print(msg, file=sys.stderr))
+    row = bench.llama_cpp_row(engine.path, doc.read_text(), questions[0], args.max_tokens)
+    paths = bench.write_report(results, Path(args.out), model=engine.name, doc=doc,
+                               n_questions=len(questions), llama_cpp=row)
+    print(paths["markdown"].read_text())
+    for kind, path in paths.items():
+        print(f"{kind}: {path}", file=sys.stderr)
+    return 0
+
+
 def _geometry(args):
     """KVGeometry from a model's metadata or from --layers/--kv-heads/--head-dim."""
     from .models import kv_geometry
@@ -506,6 +528,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--kv", action="append", type=_kv_arg, help="a spec besides the presets (repeatable)")
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)
+
+    p = sub.add_parser("bench", help="the standard test set: one long document, six questions, per KV spec")
+    p.add_argument("model", nargs="?", default=catalog.DEFAULT_MODEL, help=model_help)
+    p.add_argument("--doc", help="document (default: the GPL-3 text in resources/bench)")
+    p.add_argument("--questions", help="file with one question per line (default: resources/bench/questions.txt)")
+    p.add_argument("--kv", action="append", type=_kv_arg, help="KV spec (repeatable; default full, k8v8, k6v4, k4v4)")
+    p.add_argument("--out", default="benchmarks/out/bench", help="folder for bench.md, bench.json, bench.png")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--ctx", type=int, help="context limit (default: the model's)")
+    p.add_argument("--kl-tokens", type=int, default=1024, help="document tokens for the KL column (0: skip)")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval-kv", help="KL divergence, top-1 agreement and perplexity of KV specs vs 16-bit KV")
     p.add_argument("model", help=model_help)

@@ -1,0 +1,210 @@
+"""`omlx bench`: the standard test set. One fixed long document and six fixed questions, run for
+each KV spec in one process, so that tuning is judged on the same work every time.
+
+For each spec: a fresh prefix cache (no disk reuse, so question 1 is cold and pays for reading
+the document), the six questions in turn (each on its own, as `omlx ask`), RSS and KV bytes
+sampled 4x/s on a background thread, then teacher-forced KL of the spec against 16-bit KV over
+the document's first tokens. Writes `bench.md` (table), `bench.json` and `bench.png` (RSS and
+KV bytes over time per spec) into --out.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .memory import rss_bytes
+
+RESOURCES = Path(__file__).resolve().parents[1] / "resources"
+DEFAULT_DOC = RESOURCES / "bench" / "gpl-3.txt"
+DEFAULT_QUESTIONS = RESOURCES / "bench" / "questions.txt"
+KL_TOKENS = 1024  # teacher-forced tokens of the document for the KL column
+
+
+@dataclass
+class SpecResult:
+    spec: str
+    peak_rss_bytes: int = 0
+    kv_bytes: int = 0
+    ttft_cold_s: float = 0.0
+    ttft_cached_s: float = 0.0
+    cached_share: float = 0.0
+    decode_tok_s: float = 0.0
+    prefill_tok_s: float = 0.0
+    mean_kl: float | None = None
+    answers: list[str] = field(default_factory=list)
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (s, rss, kv bytes)
+
+
+class _Sampler:
+    """RSS and the engine's KV bytes every `interval` s on a daemon thread."""
+
+    def __init__(self, kv_bytes, interval: float = 0.25):
+        self.kv_bytes, self.interval = kv_bytes, interval
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                kv = int(self.kv_bytes())
+            except Exception:  # a pool growing under us: take the next sample
+                kv = self.samples[-1][2] if self.samples else 0
+            self.samples.append((time.perf_counter() - self._t0, rss_bytes(), kv))
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def run_bench(engine, specs: list[str], *, doc: Path = DEFAULT_DOC, questions: list[str] | None = None,
+              max_tokens: int = 32, ctx: int | None = None, kl_tokens: int = KL_TOKENS,
+              progress=None) -> list[SpecResult]:
+    from .evaluate import evaluate_kv
+    from .session import Session
+
+    questions = questions or read_questions(DEFAULT_QUESTIONS)
+    text = doc.read_text()
+    saved_disk = engine.disk_cache
+    engine.disk_cache = False  # question 1 must be cold for every spec
+    results = []
+    try:
+        for spec in specs:
+            engine.set_kv(spec)
+            result = SpecResult(spec=str(engine.kv_config))
+            session = Session(engine, ctx=ctx)
+            document = session.add_document(text=text, name=doc.name, prefill=False)
+            stats = []
+            with _Sampler(lambda: engine.prefix_cache().nbytes) as sampler:
+                for i, q in enumerate(questions):
+                    if progress:
+                        progress(f"{spec}: question {i + 1}/{len(questions)}")
+                    r = session.ask(q, max_tokens=max_tokens).result
+                    stats.append(r.stats)
+                    result.answers.append(r.text)
+            session.close()
+            result.timeline = sampler.samples
+            result.peak_rss_bytes = max([s.peak_rss_bytes for s in stats] + [m[1] for m in sampler.samples])
+            result.kv_bytes = max(s.kv_bytes for s in stats)
+            result.ttft_cold_s = stats[0].ttft_s
+            result.prefill_tok_s = stats[0].prefill_tok_s
+            later = stats[1:] or stats
+            result.ttft_cached_s = float(np.mean([s.ttft_s for s in later]))
+            # Share of the pinned prefix (system turn + document) the later questions found cached.
+            prefix = max(1, session.prefix_tokens())
+            result.cached_share = min(min(s.cached_tokens for s in later), prefix) / prefix
+            result.decode_tok_s = float(np.mean([s.decode_tok_s for s in stats if s.decode_tok_s]))
+            results.append(result)
+        if kl_tokens:
+            if progress:
+                progress("KL vs 16-bit KV")
+            ids = engine.tokenizer.encode(text, add_bos=True)[: kl_tokens + 1]
+            for result, quality in zip(results, evaluate_kv(engine, ids, [r.spec for r in results])):
+                result.mean_kl = quality.mean_kl
+    finally:
+        engine.disk_cache = saved_disk
+    return results
+
+
+def read_questions(path: Path) -> list[str]:
+    return [line.strip() for line in Path(path).read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def llama_cpp_row(model_path: Path, text: str, question: str, max_tokens: int) -> dict | None:
+    """llama.cpp (llama-cpp-python) on the same model and prompt, when it happens to be
+    importable: prefill and decode tokens/s, 2 threads. Never a dependency."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(model_path), n_ctx=8192, n_threads=2, verbose=False)
+    prompt = llm.tokenize(f"{text}\n\nQuestion: {question}\nAnswer:".encode())
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    n = 0
+    for _ in llm.generate(prompt, temp=0.0, reset=False):
+        n += 1
+        if n >= max_tokens:
+            break
+    t2 = time.perf_counter()
+    return {"prefill_tok_s": len(prompt) / (t1 - t0), "decode_tok_s": n / max(t2 - t1, 1e-9)}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def write_report(results: list[SpecResult], out: Path, *, model: str, doc: Path, n_questions: int,
+                 llama_cpp: dict | None = None) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    base = next((r for r in results if r.spec in ("k16v16", "full", "f16")), results[0])
+    lines = [
+        f"# omlx bench: {model}",
+        "",
+        f"Document: {doc.name}; {n_questions} questions, each answered on its own; one process.",
+        "",
+        "| KV | peak RSS MiB | KV MiB | TTFT cold s | TTFT cached s | cached share | decode tok/s | KL vs 16-bit |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        kl = "—" if r.mean_kl is None else f"{r.mean_kl:.5f}"
+        lines.append(f"| {r.spec} | {_mib(r.peak_rss_bytes)} | {_mib(r.kv_bytes)} | {r.ttft_cold_s:.2f} | "
+                     f"{r.ttft_cached_s:.3f} | {r.cached_share:.1%} | {r.decode_tok_s:.1f} | {kl} |")
+    if llama_cpp:
+        lines.append(f"| llama.cpp (f16 KV) | | | | | | {llama_cpp['decode_tok_s']:.1f} | |")
+        lines.append("")
+        lines.append(f"llama.cpp prefill {llama_cpp['prefill_tok_s']:.1f} tok/s vs ours "
+                     f"{base.prefill_tok_s:.1f} ({base.prefill_tok_s / llama_cpp['prefill_tok_s']:.2f}x); "
+                     f"decode {llama_cpp['decode_tok_s']:.1f} vs {base.decode_tok_s:.1f} tok/s "
+                     f"({base.decode_tok_s / llama_cpp['decode_tok_s']:.2f}x)")
+    md = out / "bench.md"
+    md.write_text("\n".join(lines) + "\n")
+    data = out / "bench.json"
+    data.write_text(json.dumps({"model": model, "document": doc.name, "llama_cpp": llama_cpp,
+                                "results": [asdict(r) for r in results]}, indent=1))
+    paths = {"markdown": md, "json": data}
+    png = _plot(results, out / "bench.png", model)
+    if png is not None:
+        paths["png"] = png
+    return paths
+
+
+def _plot(results: list[SpecResult], path: Path, model: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ax_rss, ax_kv) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for r in results:
+        if not r.timeline:
+            continue
+        t, rss, kv = (np.array(c, dtype=float) for c in zip(*r.timeline))
+        ax_rss.plot(t, rss / 2**20, label=r.spec)
+        ax_kv.plot(t, kv / 2**20, label=r.spec)
+    ax_rss.set_ylabel("process RSS (MiB)")
+    ax_kv.set_ylabel("KV bytes in use (MiB)")
+    ax_kv.set_xlabel("seconds since the spec's first question")
+    ax_rss.set_title(f"omlx bench: {model}")
+    ax_rss.legend(loc="lower right", fontsize="small")
+    ax_rss.grid(alpha=0.3)
+    ax_kv.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
