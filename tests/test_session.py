@@ -190,3 +190,21 @@ def test_pdf_and_markdown_documents_are_read(tmp_path):
     md = tmp_path / "notes.md"
     md.write_text("# Title\r\n\r\nSome *markdown*.\r\n")
     assert read_document(md) == "# Title\n\nSome *markdown*.\n"
+
+
+def test_chat_command_pins_documents_and_reports_reuse(smollm2_path, tmp_path):
+    doc = tmp_path / "notes.md"
+    doc.write_text("# Notes\n\nThe project's code name is BLUE HERON. It ships in March.\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "chat", str(smollm2_path), "--doc", str(doc), "--ctx", "1024",
+         "--overflow", "attention", "--max-tokens", "6", "--temperature", "0"],
+        input="What is the code name?\nWhen does it ship?\n/quit\n", capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "pinned notes.md" in out.stderr and "overflow attention" in out.stderr
+    stats = [line for line in out.stderr.splitlines() if line.startswith("[")]
+    assert len(stats) == 2
+    assert "(memory)" in stats[1]  # the second turn continues the first
+    bad = subprocess.run([sys.executable, "-m", "engine.cli", "chat", str(smollm2_path), "--overflow", "rolling",
+                          "--ctx", "10"], input="", capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "ctx must be between 64" in bad.stderr
