@@ -208,3 +208,19 @@ def test_chat_command_pins_documents_and_reports_reuse(smollm2_path, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "engine.cli", "chat", str(smollm2_path), "--overflow", "rolling",
                           "--ctx", "10"], input="", capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "ctx must be between 64" in bad.stderr
+
+
+def test_rolling_context_keeps_perplexity_close_to_a_full_context(smollm2_path):
+    from engine.kv.config import parse_kv
+
+    engine = fresh_engine(smollm2_path, "k6v4")
+    ids = engine.tokenizer.encode(GPL, add_bos=True)[:1601]
+
+    def perplexity(cache) -> float:
+        return float(np.exp(-np.mean(engine.teacher_forced(ids, cache=cache).next_logprob)))
+
+    full = perplexity(engine.new_cache())
+    rolling_cache = engine.model.new_cache(parse_kv("k6v4"), limit=512, overflow="rolling")
+    rolling = perplexity(rolling_cache)
+    assert rolling_cache.dropped_tokens >= 1000 and rolling_cache.offset <= 512
+    assert rolling < 1.5 * full, (rolling, full)  # the bench's bar, at 1,600 tokens and a 512 context
