@@ -131,8 +131,14 @@ class MemoryChart(QWidget):
 
     def __init__(self, parent: QWidget | None = None, *, kv_source: KVSource | None = None,
                  minutes: float = DEFAULT_MINUTES, interval_ms: int = DEFAULT_INTERVAL_MS,
-                 rss_source: Callable[[], int] | None = None):
+                 rss_source: Callable[[], int] | None = None, kv_axis: bool = False,
+                 fit_time: bool = False):
+        """``kv_axis``: draw the KV lines against their own axis on the right (the KV cache is
+        often a few MiB beside hundreds of MiB of RSS). ``fit_time``: show only the time the
+        samples span (at least a minute, rounded up to 30 s), not always the whole window."""
         super().__init__(parent)
+        self.kv_axis = bool(kv_axis)
+        self.fit_time = bool(fit_time)
         if minutes <= 0 or interval_ms <= 0:
             raise ValueError("minutes and interval_ms must be positive")
         self.window_s = float(minutes) * 60.0
@@ -152,8 +158,10 @@ class MemoryChart(QWidget):
 
         self.summary = QLabel("RSS –  ·  KV –", self)
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.plot = pg.PlotWidget(
-            parent=self, axisItems={"left": BytesAxis("left"), "bottom": TimeAgoAxis("bottom")})
+        axes = {"left": BytesAxis("left"), "bottom": TimeAgoAxis("bottom")}
+        if self.kv_axis:
+            axes["right"] = BytesAxis("right")
+        self.plot = pg.PlotWidget(parent=self, axisItems=axes)
         self.plot.setBackground(None)
         self.plot.setMenuEnabled(False)
         self.plot.setMouseEnabled(x=False, y=False)
@@ -164,11 +172,42 @@ class MemoryChart(QWidget):
         self.plot.setYRange(0, 2**20, padding=0)
         self.plot.addLegend(offset=(8, 8))
         self.rss_curve = self.plot.plot(name="RSS (this process)", pen=pg.mkPen(RSS_COLOR, width=2))
-        self.kv_curve = self.plot.plot(
-            name="KV in use", pen=pg.mkPen(KV_COLOR, width=2),
-            fillLevel=0, brush=pg.mkBrush(KV_COLOR + "40"))
-        self.capacity_curve = self.plot.plot(
-            name="KV capacity", pen=pg.mkPen(CAPACITY_COLOR, width=1.5, style=Qt.PenStyle.DashLine))
+        kv_pen = pg.mkPen(KV_COLOR, width=2)
+        cap_pen = pg.mkPen(CAPACITY_COLOR, width=1.5, style=Qt.PenStyle.DashLine)
+        self.kv_view = None
+        if self.kv_axis:
+            item = self.plot.getPlotItem()
+            self.kv_view = pg.ViewBox(enableMouse=False)
+            self.kv_view.setMenuEnabled(False)
+            item.showAxis("right")
+            item.scene().addItem(self.kv_view)
+            right = item.getAxis("right")
+            right.linkToView(self.kv_view)
+            right.setLabel("KV", color=KV_COLOR)
+            self.plot.setLabel("left", "RSS", color=RSS_COLOR)
+            self.kv_view.setXLink(item)
+            self.kv_view.setYRange(0, 2**20, padding=0)
+
+            def follow() -> None:
+                self.kv_view.setGeometry(item.vb.sceneBoundingRect())
+                self.kv_view.linkedViewChanged(item.vb, self.kv_view.XAxis)
+
+            item.vb.sigResized.connect(follow)
+            self.kv_curve = pg.PlotDataItem(pen=kv_pen, fillLevel=0, brush=pg.mkBrush(KV_COLOR + "40"))
+            self.capacity_curve = pg.PlotDataItem(pen=cap_pen)
+            self.kv_view.addItem(self.kv_curve)
+            self.kv_view.addItem(self.capacity_curve)
+            legend = item.legend
+            legend.setBrush(pg.mkBrush(255, 255, 255, 200))
+            legend.setLabelTextColor("#333333")
+            for _sample, label in legend.items:  # the RSS entry, added before
+                label.setText(label.text, color="#333333")
+            legend.addItem(self.kv_curve, "KV in use (right)")
+            legend.addItem(self.capacity_curve, "KV capacity (right)")
+        else:
+            self.kv_curve = self.plot.plot(
+                name="KV in use", pen=kv_pen, fillLevel=0, brush=pg.mkBrush(KV_COLOR + "40"))
+            self.capacity_curve = self.plot.plot(name="KV capacity", pen=cap_pen)
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -219,6 +258,15 @@ class MemoryChart(QWidget):
         return (arr[:, 0].copy(), arr[:, 1].astype(np.int64), arr[:, 2].astype(np.int64),
                 arr[:, 3].astype(np.int64))
 
+    def visible_span(self, now: float | None = None) -> float:
+        """Seconds of history the x axis shows: the whole window, or with ``fit_time`` the span
+        of the samples (at least 60 s, rounded up to 30 s, at most the window)."""
+        if not self.fit_time or not self._samples:
+            return self.window_s
+        now = time.monotonic() if now is None else now
+        span = now - self._samples[0][0]
+        return float(min(self.window_s, max(60.0, math.ceil(span / 30.0) * 30.0)))
+
     def clear(self) -> None:
         self._samples.clear()
         self._redraw(time.monotonic())
@@ -232,9 +280,14 @@ class MemoryChart(QWidget):
             connect = "all"
         for curve, y in ((self.rss_curve, rss), (self.kv_curve, kv), (self.capacity_curve, cap)):
             curve.setData(x, y.astype(np.float64), connect=connect)
-        top = max(int(rss.max(initial=0)), int(cap.max(initial=0)), int(kv.max(initial=0)), 2**20)
+        if self.kv_view is not None:
+            top = max(int(rss.max(initial=0)), 2**20)
+            kv_top = max(int(cap.max(initial=0)), int(kv.max(initial=0)), 2**20)
+            self.kv_view.setYRange(0, kv_top * 1.08, padding=0)
+        else:
+            top = max(int(rss.max(initial=0)), int(cap.max(initial=0)), int(kv.max(initial=0)), 2**20)
         self.plot.setYRange(0, top * 1.08, padding=0)
-        self.plot.setXRange(-self.window_s, 0, padding=0)
+        self.plot.setXRange(-self.visible_span(now), 0, padding=0)
         if len(t):
             self.summary.setText(
                 f"RSS {format_bytes(rss[-1])}  ·  KV {format_bytes(kv[-1])} in use"

@@ -1,0 +1,183 @@
+"""The pinned documents of the open conversation: one row per document with its name, token
+count, a progress bar while it is read into the KV cache, a "cached" badge once its blocks are
+pinned, and pin / remove controls.
+
+Rows are keyed by the string the window and the worker use for the document. The panel emits
+requests (``addFilesRequested``, ``pinToggled``, ``removeRequested``) and shows what it is told;
+it never talks to the engine or the Store itself.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QCheckBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QScrollArea,
+    QToolButton, QVBoxLayout, QWidget,
+)
+
+DOCUMENT_FILTER = "Documents (*.txt *.md *.markdown *.pdf);;All files (*)"
+DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".text", ".rst", ".pdf", ".csv", ".log", ".json")
+
+BADGE_STYLE = ("QLabel { background: #16a34a; color: white; border-radius: 7px;"
+               " padding: 1px 7px; font-size: 11px; font-weight: 600; }")
+
+
+class DocumentRow(QFrame):
+    def __init__(self, key: str, name: str, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.key = key
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.setObjectName("documentRow")
+        self.name_label = QLabel(name)
+        font = self.name_label.font()
+        font.setBold(True)
+        self.name_label.setFont(font)
+        self.name_label.setToolTip(name)
+        self.name_label.setMinimumWidth(60)
+        self.info_label = QLabel("waiting…")
+        self.info_label.setStyleSheet("color: palette(mid);")
+        self.badge = QLabel("cached")
+        self.badge.setStyleSheet(BADGE_STYLE)
+        self.badge.setToolTip("Its KV blocks are prefilled and pinned: questions reuse them")
+        self.badge.setVisible(False)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 0)
+        self.progress.setMaximumHeight(12)
+        self.progress.setTextVisible(False)
+        self.pin = QCheckBox("Pinned")
+        self.pin.setChecked(True)
+        self.pin.setEnabled(False)
+        self.pin.setToolTip("Pinned documents are part of every prompt of this conversation")
+        self.remove = QToolButton()
+        self.remove.setText("✕")
+        self.remove.setToolTip("Remove the document from this conversation")
+        self.remove.setAutoRaise(True)
+        self.remove.setEnabled(False)  # once it is in the conversation
+
+        top = QHBoxLayout()
+        top.setContentsMargins(0, 0, 0, 0)
+        top.addWidget(self.name_label, 1)
+        top.addWidget(self.badge)
+        top.addWidget(self.remove)
+        bottom = QHBoxLayout()
+        bottom.setContentsMargins(0, 0, 0, 0)
+        bottom.addWidget(self.info_label, 1)
+        bottom.addWidget(self.pin)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 4, 6, 4)
+        layout.setSpacing(2)
+        layout.addLayout(top)
+        layout.addLayout(bottom)
+        layout.addWidget(self.progress)
+
+    @property
+    def name(self) -> str:
+        return self.name_label.text()
+
+    def set_progress(self, done: int, total: int) -> None:
+        self.progress.setVisible(True)
+        self.progress.setRange(0, max(total, 1))
+        self.progress.setValue(min(done, total))
+        self.info_label.setText(f"reading… {done:,} / {total:,} tokens")
+
+    def set_info(self, info: dict) -> None:
+        self.name_label.setText(info.get("name", self.name))
+        n = info.get("n_tokens")
+        pinned = bool(info.get("pinned", True))
+        self.info_label.setText(f"{n:,} tokens" if n else "not counted yet")
+        self.badge.setVisible(bool(info.get("cached")) and pinned)
+        self.progress.setVisible(False)
+        self.pin.blockSignals(True)
+        self.pin.setChecked(pinned)
+        self.pin.blockSignals(False)
+        self.pin.setEnabled(True)
+        self.remove.setEnabled(True)
+
+
+class DocumentsPanel(QWidget):
+    addFilesRequested = Signal(list)        # [path]
+    pinToggled = Signal(str, bool)          # key, pinned
+    removeRequested = Signal(str)           # key
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.rows: dict[str, DocumentRow] = {}
+        self.add_button = QPushButton("Add document…")
+        self.add_button.setToolTip("Pin a .txt, .md or .pdf file to this conversation")
+        hint = QLabel("or drop .txt / .md / .pdf files on the window")
+        hint.setStyleSheet("color: palette(mid);")
+        hint.setWordWrap(True)
+        head = QHBoxLayout()
+        head.setContentsMargins(0, 0, 0, 0)
+        head.addWidget(self.add_button)
+        head.addWidget(hint, 1)
+
+        self.empty_label = QLabel("No documents pinned to this conversation.")
+        self.empty_label.setStyleSheet("color: palette(mid);")
+        self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self._list = QWidget()
+        self._list_layout = QVBoxLayout(self._list)
+        self._list_layout.setContentsMargins(0, 0, 0, 0)
+        self._list_layout.setSpacing(4)
+        self._list_layout.addWidget(self.empty_label)
+        self._list_layout.addStretch(1)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setWidget(self._list)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 6, 6)
+        layout.addLayout(head)
+        layout.addWidget(scroll, 1)
+        self.add_button.clicked.connect(self._choose_files)
+
+    def _choose_files(self) -> None:
+        paths, _ = QFileDialog.getOpenFileNames(self, "Pin documents", "", DOCUMENT_FILTER)
+        if paths:
+            self.addFilesRequested.emit(paths)
+
+    # -- rows -----------------------------------------------------------------------------
+    def add_row(self, key: str, name: str) -> DocumentRow:
+        row = self.rows.get(key)
+        if row is None:
+            row = DocumentRow(key, name, self._list)
+            row.pin.toggled.connect(lambda on, k=key: self.pinToggled.emit(k, on))
+            row.remove.clicked.connect(lambda _=False, k=key: self.removeRequested.emit(k))
+            self.rows[key] = row
+            self._list_layout.insertWidget(self._list_layout.count() - 1, row)
+        self.empty_label.setVisible(False)
+        return row
+
+    def set_progress(self, key: str, done: int, total: int) -> None:
+        if key in self.rows:
+            self.rows[key].set_progress(done, total)
+
+    def set_info(self, key: str, info: dict) -> None:
+        row = self.rows.get(key) or self.add_row(key, info.get("name", key))
+        row.set_info(info)
+
+    def sync(self, infos: list[dict]) -> None:
+        """The worker's list of the conversation's documents: rows follow it (rows still being
+        read stay)."""
+        keys = {i["key"] for i in infos}
+        for key in list(self.rows):
+            row = self.rows[key]
+            if key not in keys and row.pin.isEnabled():
+                self.remove_row(key)
+        for info in infos:
+            self.set_info(info["key"], info)
+
+    def remove_row(self, key: str) -> None:
+        row = self.rows.pop(key, None)
+        if row is not None:
+            row.setParent(None)
+            row.deleteLater()
+        self.empty_label.setVisible(not self.rows)
+
+    def clear(self) -> None:
+        for key in list(self.rows):
+            self.remove_row(key)
+
+    def keys(self) -> list[str]:
+        return list(self.rows)

@@ -1,0 +1,493 @@
+"""The KV cache controls: K and V bits, presets, high-precision mode, per-layer precision,
+context window and overflow policy, with a live estimate of the cache at full context.
+
+The panel only describes a setting; it knows nothing of the engine. It emits
+``settingsChanged({"spec", "ctx", "overflow"})`` on every change (the window hands it to the
+worker, which applies it before the next turn) and keeps its whole state in :meth:`state` /
+:meth:`set_state` (a JSON-able dict the window saves in the Store).
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QFont
+from PySide6.QtWidgets import (
+    QAbstractItemView, QCheckBox, QComboBox, QFormLayout, QGridLayout, QHBoxLayout, QHeaderView,
+    QLabel, QPushButton, QSlider, QSpinBox, QStyledItemDelegate, QTableWidget,
+    QTableWidgetItem, QToolButton, QVBoxLayout, QWidget,
+)
+
+from engine.kv.config import KVConfigError, estimate_bytes, parse_kv
+from engine.kv.paged import OVERFLOW_POLICIES
+
+from .chart import format_bytes
+
+BITS = (2, 3, 4, 5, 6, 8, 16)
+PRESETS = (  # (label, name, (k, v)); the names are engine.kv.config.PRESETS'
+    ("Balanced (K6V4)", "balanced", (6, 4)),
+    ("Memory saver (K4V4)", "memory-saver", (4, 4)),
+    ("High precision (K8V8)", "high-precision", (8, 8)),
+    ("Full 16-bit", "full", (16, 16)),
+    ("Custom", "custom", None),
+)
+PRESET_BITS = {name: bits for _, name, bits in PRESETS if bits}
+OVERFLOW_LABELS = {
+    "stop": "Stop at the limit",
+    "rolling": "Rolling (drop oldest)",
+    "attention": "Attention (drop least attended)",
+}
+DEFAULT_CTX = 4096
+MIN_CTX = 64
+HIGH_PRECISION = (8, 8)
+
+
+def layer_spec(k: int, v: int, overrides: dict[int, tuple[int, int]], n_layers: int | None) -> str:
+    """The spec string for base ``kKvV`` and per-layer ``overrides`` (layer -> (k, v)): runs of
+    consecutive layers with the same precision become one ``a-b:kXvY`` item."""
+    parts = [f"k{k}v{v}"]
+    layers = sorted(i for i, kv in overrides.items() if kv != (k, v)
+                    and (n_layers is None or i < n_layers))
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            a, b = run[0], run[-1]
+            kk, vv = overrides[a]
+            parts.append(f"{a}:k{kk}v{vv}" if a == b else f"{a}-{b}:k{kk}v{vv}")
+            run.clear()
+
+    for i in layers:
+        if run and (i != run[-1] + 1 or overrides[i] != overrides[run[-1]]):
+            flush()
+        run.append(i)
+    flush()
+    return ",".join(parts)
+
+
+class _BitsDelegate(QStyledItemDelegate):
+    """A combo box of the supported bit widths as the K/V cells' editor."""
+
+    def createEditor(self, parent, option, index):  # noqa: N802
+        box = QComboBox(parent)
+        box.addItems([str(b) for b in BITS])
+        return box
+
+    def setEditorData(self, editor, index):  # noqa: N802
+        editor.setCurrentText(str(index.data()))
+
+    def setModelData(self, editor, model, index):  # noqa: N802
+        model.setData(index, editor.currentText())
+
+
+class KVPanel(QWidget):
+    settingsChanged = Signal(object)   # {"spec", "ctx", "overflow"}
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self._k, self._v = PRESET_BITS["balanced"]
+        self._preset = "balanced"
+        self._overrides: dict[int, tuple[int, int]] = {}
+        self._hp = False
+        self._before_hp: dict | None = None
+        self._geometry: dict | None = None
+        self._n_layers: int | None = None
+        self._max_ctx: int | None = None
+        self._updating = False
+
+        # presets and high-precision mode
+        self.preset_box = QComboBox()
+        for label, name, _ in PRESETS:
+            self.preset_box.addItem(label, name)
+        self.preset_box.setToolTip("Bits per stored key (K) and value (V) in the KV cache")
+        self.high_precision = QCheckBox("High-precision mode (K8V8)")
+        self.high_precision.setToolTip(
+            "Switch every layer to 8-bit keys and values; switching it off restores the setting before")
+
+        # sliders
+        self.k_slider, self.k_label = self._slider("K")
+        self.v_slider, self.v_label = self._slider("V")
+        sliders = QGridLayout()
+        sliders.setContentsMargins(0, 0, 0, 0)
+        sliders.addWidget(self.k_label, 0, 0)
+        sliders.addWidget(self.k_slider, 0, 1)
+        sliders.addWidget(self.v_label, 1, 0)
+        sliders.addWidget(self.v_slider, 1, 1)
+        sliders.setColumnStretch(1, 1)
+
+        # context and overflow
+        self.ctx_spin = QSpinBox()
+        self.ctx_spin.setRange(MIN_CTX, 1 << 20)
+        self.ctx_spin.setSingleStep(256)
+        self.ctx_spin.setGroupSeparatorShown(True)
+        self.ctx_spin.setSuffix(" tokens")
+        self.ctx_spin.setValue(DEFAULT_CTX)
+        self.overflow_box = QComboBox()
+        for policy in OVERFLOW_POLICIES:
+            self.overflow_box.addItem(OVERFLOW_LABELS.get(policy, policy), policy)
+        self.overflow_box.setCurrentIndex(OVERFLOW_POLICIES.index("rolling"))
+        self.overflow_box.setToolTip("What happens when the conversation reaches the context window")
+        form = QFormLayout()
+        form.setContentsMargins(0, 0, 0, 0)
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+        form.addRow("Preset", self.preset_box)
+        form.addRow("Context", self.ctx_spin)
+        form.addRow("At the limit", self.overflow_box)
+
+        # the estimate
+        self.estimate_label = QLabel()
+        self.estimate_label.setWordWrap(True)
+        self.estimate_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.spec_label = QLabel()
+        self.spec_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.spec_label.setStyleSheet("color: palette(mid);")
+        self.spec_label.setWordWrap(True)
+
+        # advanced: per layer
+        self.advanced_button = QToolButton()
+        self.advanced_button.setText("Per-layer precision")
+        self.advanced_button.setCheckable(True)
+        self.advanced_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.advanced_button.setArrowType(Qt.ArrowType.RightArrow)
+        self.advanced_button.setAutoRaise(True)
+        self.advanced = QWidget()
+        self.first_spin = QSpinBox()
+        self.last_spin = QSpinBox()
+        for spin, value in ((self.first_spin, 4), (self.last_spin, 2)):
+            spin.setRange(0, 512)
+            spin.setValue(value)
+        self.apply_first_last = QPushButton("Apply")
+        self.clear_layers = QPushButton("Clear")
+        shortcut = QHBoxLayout()
+        shortcut.setContentsMargins(0, 0, 0, 0)
+        shortcut.addWidget(QLabel("First"))
+        shortcut.addWidget(self.first_spin)
+        shortcut.addWidget(QLabel("and last"))
+        shortcut.addWidget(self.last_spin)
+        shortcut.addWidget(QLabel("layers at K8V8"))
+        shortcut.addStretch(1)
+        shortcut_buttons = QHBoxLayout()
+        shortcut_buttons.setContentsMargins(0, 0, 0, 0)
+        shortcut_buttons.addStretch(1)
+        shortcut_buttons.addWidget(self.apply_first_last)
+        shortcut_buttons.addWidget(self.clear_layers)
+        self.table = QTableWidget(0, 3)
+        self.table.setHorizontalHeaderLabels(["Layer", "K bits", "V bits"])
+        self.table.verticalHeader().setVisible(False)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.table.setItemDelegateForColumn(1, _BitsDelegate(self.table))
+        self.table.setItemDelegateForColumn(2, _BitsDelegate(self.table))
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.DoubleClicked
+                                   | QAbstractItemView.EditTrigger.SelectedClicked
+                                   | QAbstractItemView.EditTrigger.EditKeyPressed)
+        self.table.setMinimumHeight(140)
+        adv = QVBoxLayout(self.advanced)
+        adv.setContentsMargins(0, 0, 0, 0)
+        adv.addLayout(shortcut)
+        adv.addLayout(shortcut_buttons)
+        adv.addWidget(self.table)
+        self.advanced.setVisible(False)
+
+        note = QLabel("Changes apply from the next message.")
+        note.setStyleSheet("color: palette(mid);")
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 6, 6)
+        layout.setSpacing(6)
+        layout.addLayout(form)
+        layout.addLayout(sliders)
+        layout.addWidget(self.high_precision)
+        layout.addWidget(self.estimate_label)
+        layout.addWidget(self.spec_label)
+        layout.addWidget(self.advanced_button)
+        layout.addWidget(self.advanced, 1)
+        layout.addWidget(note)
+        layout.addStretch(0)
+
+        self.preset_box.activated.connect(self._preset_chosen)
+        self.k_slider.valueChanged.connect(lambda _: self._slider_moved())
+        self.v_slider.valueChanged.connect(lambda _: self._slider_moved())
+        for box in (self.preset_box, self.overflow_box):
+            box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            box.setMinimumContentsLength(14)
+        self.high_precision.toggled.connect(self.set_high_precision)
+        self.ctx_spin.valueChanged.connect(lambda _: self._changed())
+        self.overflow_box.currentIndexChanged.connect(lambda _: self._changed())
+        self.advanced_button.toggled.connect(self._toggle_advanced)
+        self.apply_first_last.clicked.connect(
+            lambda: self.set_first_last(self.first_spin.value(), self.last_spin.value()))
+        self.clear_layers.clicked.connect(lambda: self.set_overrides({}))
+        self.table.itemChanged.connect(self._cell_edited)
+        self._refresh()
+
+    def _slider(self, role: str) -> tuple[QSlider, QLabel]:
+        slider = QSlider(Qt.Orientation.Horizontal)
+        slider.setRange(0, len(BITS) - 1)
+        slider.setPageStep(1)
+        slider.setTickPosition(QSlider.TickPosition.TicksBelow)
+        slider.setTickInterval(1)
+        slider.setToolTip(f"{role} bits: " + ", ".join(str(b) for b in BITS))
+        label = QLabel()
+        label.setMinimumWidth(label.fontMetrics().horizontalAdvance(f"{role}: 16 bits") + 4)
+        return slider, label
+
+    # -- what the panel says --------------------------------------------------------------
+    def spec(self) -> str:
+        k, v = HIGH_PRECISION if self._hp else (self._k, self._v)
+        overrides = {} if self._hp else self._overrides
+        return layer_spec(k, v, overrides, self._n_layers)
+
+    def settings(self) -> dict:
+        return {"spec": self.spec(), "ctx": self.ctx_spin.value(), "overflow": self.overflow()}
+
+    def overflow(self) -> str:
+        return self.overflow_box.currentData()
+
+    def bits(self) -> tuple[int, int]:
+        return BITS[self.k_slider.value()], BITS[self.v_slider.value()]
+
+    def preset(self) -> str:
+        return self.preset_box.currentData()
+
+    def overrides(self) -> dict[int, tuple[int, int]]:
+        return dict(self._overrides)
+
+    def is_high_precision(self) -> bool:
+        return self._hp
+
+    def _core(self) -> dict:
+        return {"k": self._k, "v": self._v, "preset": self._preset,
+                "overrides": {str(i): list(kv) for i, kv in sorted(self._overrides.items())}}
+
+    def state(self) -> dict:
+        """Everything needed to restore the panel (JSON-able)."""
+        return {**self._core(), "high_precision": self._hp, "before_high_precision": self._before_hp,
+                "ctx": self.ctx_spin.value(), "overflow": self.overflow(),
+                "advanced_open": self.advanced_button.isChecked()}
+
+    def set_state(self, state: dict | None) -> None:
+        if not state:
+            return
+        self._updating = True
+        try:
+            self._set_core(state)
+            self._hp = bool(state.get("high_precision"))
+            self._before_hp = state.get("before_high_precision") if self._hp else None
+            if state.get("ctx"):
+                self.ctx_spin.setValue(int(state["ctx"]))
+            if state.get("overflow") in OVERFLOW_POLICIES:
+                self.overflow_box.setCurrentIndex(OVERFLOW_POLICIES.index(state["overflow"]))
+            self.advanced_button.setChecked(bool(state.get("advanced_open")))
+        finally:
+            self._updating = False
+        self._changed()
+
+    def _set_core(self, core: dict) -> None:
+        k, v = int(core.get("k", 6)), int(core.get("v", 4))
+        self._k = k if k in BITS else 6
+        self._v = v if v in BITS else 4
+        self._preset = core.get("preset") if core.get("preset") in PRESET_BITS or \
+            core.get("preset") == "custom" else "custom"
+        self._overrides = {int(i): (int(kv[0]), int(kv[1]))
+                           for i, kv in (core.get("overrides") or {}).items()
+                           if int(kv[0]) in BITS and int(kv[1]) in BITS}
+
+    # -- the model ------------------------------------------------------------------------
+    def set_model(self, info: dict | None) -> None:
+        """The loaded model (the worker's model info): its geometry for the estimate, its
+        layers for the table, its context length as the context's maximum."""
+        self._geometry = info["geometry"] if info else None
+        self._n_layers = self._geometry["n_layers"] if self._geometry else None
+        self._max_ctx = info["context_length"] if info else None
+        self._updating = True
+        try:
+            if self._max_ctx:
+                self.ctx_spin.setMaximum(self._max_ctx)
+            else:
+                self.ctx_spin.setMaximum(1 << 20)
+            if self._n_layers:
+                self._overrides = {i: kv for i, kv in self._overrides.items() if i < self._n_layers}
+                self.first_spin.setMaximum(self._n_layers)
+                self.last_spin.setMaximum(self._n_layers)
+        finally:
+            self._updating = False
+        self._changed()
+
+    # -- user actions ---------------------------------------------------------------------
+    def select_preset(self, name: str) -> None:
+        """As choosing it in the box: a preset sets both sliders and clears per-layer
+        precision; "custom" keeps what is set."""
+        index = self.preset_box.findData(name)
+        if index < 0:
+            raise ValueError(f"no preset {name!r}")
+        self.preset_box.setCurrentIndex(index)
+        self._preset_chosen(index)
+
+    def _preset_chosen(self, index: int) -> None:
+        name = self.preset_box.itemData(index)
+        self._preset = name
+        if name in PRESET_BITS:
+            self._k, self._v = PRESET_BITS[name]
+            self._overrides = {}
+        self._changed()
+
+    def set_bits(self, k: int, v: int) -> None:
+        """As moving the sliders (selects Custom)."""
+        self.k_slider.setValue(BITS.index(k))
+        self.v_slider.setValue(BITS.index(v))
+
+    def _slider_moved(self) -> None:
+        if self._updating or self._hp:
+            return
+        self._k, self._v = self.bits()
+        self._preset = "custom"
+        self._changed()
+
+    def set_high_precision(self, on: bool) -> None:
+        """On: K8V8 in every layer, remembering what was set; off: exactly that again."""
+        on = bool(on)
+        if on == self._hp:
+            self._refresh()
+            return
+        if on:
+            self._before_hp = self._core()
+            self._hp = True
+        else:
+            self._hp = False
+            if self._before_hp:
+                self._set_core(self._before_hp)
+            self._before_hp = None
+        self._changed()
+
+    def set_first_last(self, first: int, last: int, bits: tuple[int, int] = HIGH_PRECISION) -> None:
+        """Per-layer precision: the first ``first`` and last ``last`` layers at ``bits``,
+        the rest at the sliders' setting."""
+        n = self._n_layers
+        if not n:
+            return
+        overrides = {i: bits for i in range(min(first, n))}
+        overrides.update({i: bits for i in range(max(0, n - last), n)})
+        self.set_overrides(overrides)
+
+    def set_overrides(self, overrides: dict[int, tuple[int, int]]) -> None:
+        self._overrides = {int(i): (int(k), int(v)) for i, (k, v) in overrides.items()}
+        if self._overrides and self._preset != "custom":
+            self._preset = "custom"
+        self._changed()
+
+    def set_layer(self, layer: int, k: int, v: int) -> None:
+        if (k, v) == (self._k, self._v):
+            self._overrides.pop(layer, None)
+        else:
+            self._overrides[layer] = (k, v)
+            self._preset = "custom"
+        self._changed()
+
+    def _cell_edited(self, item: QTableWidgetItem) -> None:
+        if self._updating or item.column() == 0:
+            return
+        row = item.row()
+        try:
+            bits = int(item.text().strip())
+            if bits not in BITS:
+                raise ValueError
+        except ValueError:
+            self._refresh()  # puts the old value back
+            return
+        k, v = self._layer_bits(row)
+        if item.column() == 1:
+            k = bits
+        else:
+            v = bits
+        self.set_layer(row, k, v)
+
+    def _layer_bits(self, layer: int) -> tuple[int, int]:
+        if self._hp:
+            return HIGH_PRECISION
+        return self._overrides.get(layer, (self._k, self._v))
+
+    def _toggle_advanced(self, open_: bool) -> None:
+        self.advanced.setVisible(open_)
+        self.advanced_button.setArrowType(Qt.ArrowType.DownArrow if open_ else Qt.ArrowType.RightArrow)
+        if not self._updating:
+            self.settingsChanged.emit(self.settings())
+
+    # -- refresh --------------------------------------------------------------------------
+    def _changed(self) -> None:
+        if self._updating:
+            return
+        self._refresh()
+        self.settingsChanged.emit(self.settings())
+
+    def _refresh(self) -> None:
+        self._updating = True
+        try:
+            k, v = HIGH_PRECISION if self._hp else (self._k, self._v)
+            self.k_slider.setValue(BITS.index(k))
+            self.v_slider.setValue(BITS.index(v))
+            self.k_label.setText(f"K: {k} bits")
+            self.v_label.setText(f"V: {v} bits")
+            preset = "high-precision" if self._hp else self._preset
+            self.preset_box.setCurrentIndex(max(0, self.preset_box.findData(preset)))
+            self.high_precision.setChecked(self._hp)
+            for w in (self.k_slider, self.v_slider, self.preset_box, self.table,
+                      self.apply_first_last, self.clear_layers, self.first_spin, self.last_spin):
+                w.setEnabled(not self._hp and (w is not self.table or bool(self._n_layers)))
+            self._fill_table()
+            spec = self.spec()
+            self.spec_label.setText(f"Spec: {spec}")
+            self._update_estimate(spec)
+        finally:
+            self._updating = False
+
+    def _fill_table(self) -> None:
+        n = self._n_layers or 0
+        self.table.setRowCount(n)
+        bold = QFont(self.table.font())
+        bold.setBold(True)
+        for i in range(n):
+            k, v = self._layer_bits(i)
+            overridden = not self._hp and i in self._overrides
+            for col, text in ((0, str(i)), (1, str(k)), (2, str(v))):
+                item = self.table.item(i, col)
+                if item is None:
+                    item = QTableWidgetItem()
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
+                    self.table.setItem(i, col, item)
+                item.setText(text)
+                item.setFont(bold if overridden and col else self.table.font())
+                flags = Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable
+                if col:
+                    flags |= Qt.ItemFlag.ItemIsEditable
+                item.setFlags(flags)
+
+    def _update_estimate(self, spec: str) -> None:
+        g = self._geometry
+        ctx = self.ctx_spin.value()
+        if not g:
+            self.estimate_label.setText("KV at full context: load a model to estimate")
+            return
+        try:
+            args = dict(n_layers=g["n_layers"], n_kv_heads=g["n_kv_heads"], head_dim=g["head_dim"],
+                        n_tokens=ctx, value_dim=g["value_dim"], windows=list(g["windows"]))
+            est = estimate_bytes(parse_kv(spec), **args)
+            full = estimate_bytes(parse_kv("full"), **args)
+        except KVConfigError as exc:
+            self.estimate_label.setText(f"<span style='color:#dc2626'>{exc}</span>")
+            return
+        self.estimate_label.setText(
+            f"KV at full context ({ctx:,} tokens): <b>{format_bytes(est['total'])}</b> "
+            f"(16-bit would be {format_bytes(full['total'])}), "
+            f"{est['bits_per_value']:.1f} bits/value")
+
+    def estimate_text(self) -> str:
+        """The estimate as plain text."""
+        from PySide6.QtGui import QTextDocumentFragment
+
+        return QTextDocumentFragment.fromHtml(self.estimate_label.text()).toPlainText()
+
+    def sizeHint(self):  # noqa: N802
+        hint = super().sizeHint()
+        return hint.expandedTo(hint.__class__(320, hint.height()))
+
+
+__all__ = ["KVPanel", "BITS", "PRESETS", "layer_spec"]
