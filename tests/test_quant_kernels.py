@@ -1,0 +1,401 @@
+"""Quantized-weight kernels (engine.kernels.quant_matvec) and the quantized WeightStore backend.
+
+Reference: gguf-py's numpy dequantizer. Dequantization must match it bit for bit; products must
+equal x @ W.T (computed in float64 here) up to float32 rounding of the sums, bounded relative to
+Σ|x|·|w| (the scale of a dot product's rounding error).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
+
+from engine import weights
+from engine.gguf_file import GGUFFile
+from engine.kernels import HAVE_NUMBA
+
+pytestmark = pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+
+if HAVE_NUMBA:
+    from engine.kernels import quant_matvec as qm
+
+ALL_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16, QT.BF16]
+GGUF_QUANTIZES = {QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.F16, QT.BF16}
+RTOL = 1e-5
+
+# Offsets of the float16 scale fields in a block of each type (the rest are codes / 6-bit scales).
+F16_FIELDS = {
+    QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2),
+    QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
+}
+
+
+def random_f16(rng, shape) -> np.ndarray:
+    """Finite float16 values over the whole range, subnormals and signed zeros included."""
+    bits = rng.integers(0, 0x10000, size=shape, dtype=np.uint32).astype(np.uint16)
+    bits = np.where((bits & 0x7C00) == 0x7C00, bits & 0x83FF, bits)  # inf/NaN exponent -> subnormal
+    return bits.astype(np.uint16).view(np.float16)
+
+
+def random_blocks(qtype: QT, rows: int, cols: int, rng, scale_range: str = "small") -> np.ndarray:
+    """(rows, bytes) random blocks with finite float16 scale fields.
+
+    scale_range "small": scales ~0.01 (like real weights); "any": any finite float16, including
+    subnormals, zeros and large values, to exercise the float16 conversion."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint16).astype(np.uint8)
+    if qtype == QT.F16:
+        return random_f16(rng, (rows, cols)).view(np.uint8).reshape(rows, -1)
+    if qtype == QT.BF16:
+        if scale_range == "small":  # normal values, truncated to bfloat16
+            vals = rng.standard_normal((rows, cols)).astype(np.float32)
+            return (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
+        # any sign/mantissa, exponents 2**-60 .. 2**60 plus subnormals and zeros: products stay finite
+        b = raw.view(np.uint16)
+        exp = rng.integers(127 - 60, 127 + 60, size=b.shape).astype(np.uint16)
+        exp[rng.random(b.shape) < 0.05] = 0
+        raw.view(np.uint16)[:] = (b & 0x807F) | (exp << 7)
+        return raw
+    blocks = raw.reshape(rows, -1, size)
+    for off in F16_FIELDS[qtype]:
+        if scale_range == "small":
+            vals = (rng.uniform(0.001, 0.02, blocks.shape[:2]) * rng.choice([-1, 1], blocks.shape[:2]))
+            vals = vals.astype(np.float16)
+        else:
+            vals = random_f16(rng, blocks.shape[:2])
+        blocks[..., off : off + 2] = vals[..., None].view(np.uint8)
+    return raw
+
+
+def quantized_from_floats(qtype: QT, rows: int, cols: int, rng) -> np.ndarray:
+    data = rng.standard_normal((rows, cols)).astype(np.float32)
+    q = quantize(data, qtype)
+    return np.ascontiguousarray(q).view(np.uint8).reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, qtype: QT) -> np.ndarray:
+    return weights.dequantize_rows(raw, qtype).reshape(raw.shape[0], -1)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def assert_product_close(y: np.ndarray, x: np.ndarray, w: np.ndarray, rtol: float = RTOL) -> None:
+    """y ≈ x @ w.T: |error| ≤ rtol · (|x| @ |w|.T), elementwise (plus a subnormal-sized floor)."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    ref = x64 @ w64.T
+    bound = rtol * (np.abs(x64) @ np.abs(w64).T) + 1e-30
+    err = np.abs(y.astype(np.float64) - ref)
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert y.dtype == np.float32 and y.shape == ref.shape
+    assert (err <= bound).all(), f"error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
+
+
+def cases():
+    for t in ALL_TYPES:
+        yield pytest.param(t, "random", id=f"{t.name}-random")
+        yield pytest.param(t, "any-scale", id=f"{t.name}-any-scale")
+        if t in GGUF_QUANTIZES:
+            yield pytest.param(t, "quantized", id=f"{t.name}-quantized")
+
+
+def make(qtype: QT, kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "quantized":
+        return quantized_from_floats(qtype, rows, cols, rng)
+    return random_blocks(qtype, rows, cols, rng, "any" if kind == "any-scale" else "small")
+
+
+# -- the kernels against gguf's dequantizer -------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype,kind", list(cases()))
+def test_dequantize_is_bit_exact(qtype, kind):
+    raw = make(qtype, kind, 41, 512)
+    ref = reference(raw, qtype)
+    rows = np.array([3, 0, 40, 3, 17], dtype=np.int64)
+    out = np.full((len(rows), 512), np.nan, dtype=np.float32)
+    qm.dequantize_rows(qtype, raw, rows, out)
+    np.testing.assert_array_equal(bits(out), bits(ref[rows]))
+    # and every row, through the QuantLinear that the WeightStore hands out
+    lin = weights.QuantLinear(raw, qtype, 41, 512)
+    np.testing.assert_array_equal(bits(lin.weight), bits(ref))
+
+
+@pytest.mark.parametrize("qtype,kind", list(cases()))
+@pytest.mark.parametrize("T", [1, 3])
+def test_matvec_equals_dense_product(qtype, kind, T):
+    raw = make(qtype, kind, 45, 768, seed=T)
+    w = reference(raw, qtype)
+    x = np.random.default_rng(10 + T).standard_normal((T, 768)).astype(np.float32)
+    lin = weights.QuantLinear(raw, qtype, 45, 768)
+    assert T <= lin.MATVEC_MAX_ROWS  # the fused kernel path
+    if kind == "any-scale":  # huge and tiny scales: only finite products make a sensible check
+        assert np.isfinite(w).all()
+    assert_product_close(lin(x), x, w)
+    assert_product_close(qm.matvec(qtype, raw, x), x, w)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_prefill_tiles_equal_dense_product(qtype):
+    rows, cols, T = 40, 512, 37
+    raw = make(qtype, "random", rows, cols, seed=5)
+    w = reference(raw, qtype)
+    x = np.random.default_rng(6).standard_normal((T, cols)).astype(np.float32)
+    lin = weights.QuantLinear(raw, qtype, rows, cols)
+    lin.tile_rows = 7  # 40 rows: five full tiles and a tile of 5
+    assert T > lin.MATVEC_MAX_ROWS
+    y = lin(x)
+    assert_product_close(y, x, w)
+    # the tile path multiplies the same float32 values as the dense layer does
+    np.testing.assert_allclose(y, weights.DenseLinear(w)(x), rtol=1e-5, atol=1e-5 * np.abs(y).max())
+
+
+def test_matvec_handles_rows_and_threads_edges():
+    """One output row, and more rows than a thread's share split evenly (odd count)."""
+    rng = np.random.default_rng(7)
+    for rows in (1, 2, 3, 127):
+        raw = quantized_from_floats(QT.Q4_1, rows, 64, rng)
+        x = rng.standard_normal((2, 64)).astype(np.float32)
+        assert_product_close(qm.matvec(QT.Q4_1, raw, x), x, reference(raw, QT.Q4_1))
+
+
+def test_kernels_reject_inconsistent_shapes():
+    raw = quantized_from_floats(QT.Q8_0, 4, 64, np.random.default_rng(0))
+    with pytest.raises(ValueError):
+        qm.matvec(QT.Q8_0, raw, np.zeros((1, 96), np.float32))  # rows hold 64 values
+    with pytest.raises(IndexError):
+        qm.dequantize_rows(QT.Q8_0, raw, np.array([4]), np.empty((1, 64), np.float32))
+    with pytest.raises(IndexError):
+        qm.dequantize_rows(QT.Q8_0, raw, np.array([-1]), np.empty((1, 64), np.float32))
+    lin = weights.QuantLinear(raw, QT.Q8_0, 4, 64)
+    with pytest.raises(ValueError):
+        lin(np.zeros((2, 32), np.float32))
+
+
+def test_quant_linear_shapes_and_dtypes():
+    raw = quantized_from_floats(QT.Q4_0, 24, 96, np.random.default_rng(1))
+    lin = weights.QuantLinear(raw, QT.Q4_0, 24, 96)
+    assert (lin.out_features, lin.in_features, lin.nbytes) == (24, 96, raw.nbytes)
+    assert lin(np.zeros((0, 96), np.float32)).shape == (0, 24)
+    x = np.random.default_rng(2).standard_normal((2, 5, 96))  # float64, 3-D
+    y = lin(x)
+    assert y.shape == (2, 5, 24) and y.dtype == np.float32
+    assert_product_close(y.reshape(10, 24), x.reshape(10, 96).astype(np.float32), reference(raw, QT.Q4_0))
+
+
+# -- real model tensors -------------------------------------------------------------------
+
+
+def _model_tensors(path):
+    """One 2-D tensor of each type of a model file: name -> (info, raw view)."""
+    g = GGUFFile(path)
+    picked = {}
+    for name, info in g.tensors.items():
+        if len(info.shape) == 2 and info.ggml_type not in picked and info.ggml_type in qm.TYPES:
+            picked[info.ggml_type] = (name, info, g.raw(name))
+    return picked
+
+
+@pytest.mark.parametrize("which", ["smollm2_path", "gemma3_path"])
+def test_real_model_tensors(which, request):
+    picked = _model_tensors(request.getfixturevalue(which))
+    expected = {"smollm2_path": {QT.Q8_0, QT.Q4_1}, "gemma3_path": {QT.Q8_0, QT.Q5_0, QT.Q4_K, QT.Q6_K}}[which]
+    assert set(picked) == expected
+    rng = np.random.default_rng(3)
+    for qtype, (name, info, raw) in picked.items():
+        raw = raw[:300]  # the embedding tables have up to 262,144 rows
+        w = reference(raw, qtype)
+        rows = np.arange(raw.shape[0])
+        out = np.empty_like(w)
+        qm.dequantize_rows(qtype, raw, rows, out)
+        np.testing.assert_array_equal(bits(out), bits(w), err_msg=name)
+        lin = weights.QuantLinear(raw, qtype, raw.shape[0], info.shape[1])
+        for T in (1, 3, 37):
+            x = rng.standard_normal((T, info.shape[1])).astype(np.float32)
+            assert_product_close(lin(x), x, w)
+
+
+def test_weight_store_backends(smollm2_path, monkeypatch):
+    g = GGUFFile(smollm2_path)
+    info = g.tensor_info("blk.0.ffn_up.weight")
+    quant = weights.WeightStore(g, backend="quant")
+    dense = weights.WeightStore(g, backend="dense")
+    lq = quant.linear("blk.0.ffn_up.weight", *info.shape)
+    ld = dense.linear("blk.0.ffn_up.weight", *info.shape)
+    assert isinstance(lq, weights.QuantLinear) and isinstance(ld, weights.DenseLinear)
+    assert lq.nbytes == g.raw("blk.0.ffn_up.weight").nbytes and ld.nbytes == info.shape[0] * info.shape[1] * 4
+    assert quant.loaded_bytes == lq.nbytes and dense.loaded_bytes == ld.nbytes
+    np.testing.assert_array_equal(lq.weight, ld.weight)
+    x = np.random.default_rng(4).standard_normal((1, info.shape[1])).astype(np.float32)
+    assert_product_close(lq(x), x, ld.weight)
+
+    # tied embedding: lookups dequantize rows, the output projection is the quantized table
+    vocab, dim = g.tensor_info("token_embd.weight").shape
+    eq = quant.embedding("token_embd.weight", vocab, dim)
+    ed = dense.embedding("token_embd.weight", vocab, dim)
+    ids = np.array([0, 5, vocab - 1, 5])
+    np.testing.assert_array_equal(eq.lookup(ids), ed.lookup(ids))
+    assert eq.lookup(ids).shape == (4, dim) and eq.vocab_size == vocab and eq.dim == dim
+    head = eq.as_linear()
+    assert isinstance(head, weights.QuantLinear) and head.raw is eq.as_linear().raw
+    h = np.random.default_rng(5).standard_normal((1, dim)).astype(np.float32)
+    assert_product_close(head(h), h, ed.table)
+    with pytest.raises(IndexError):
+        eq.lookup(np.array([vocab]))
+
+    # the environment variable picks the default; without numba the store is dense
+    monkeypatch.setenv(weights.BACKEND_ENV, "dense")
+    assert weights.WeightStore(g).backend == "dense"
+    monkeypatch.setenv(weights.BACKEND_ENV, "quant")
+    assert weights.WeightStore(g).backend == "quant"
+    monkeypatch.setenv(weights.BACKEND_ENV, "bogus")
+    with pytest.raises(ValueError):
+        weights.WeightStore(g)
+    monkeypatch.delenv(weights.BACKEND_ENV)
+    monkeypatch.setattr(weights, "HAVE_NUMBA", False)
+    store = weights.WeightStore(g)
+    assert store.backend == "dense"
+    assert isinstance(store.linear("blk.0.ffn_up.weight", *info.shape), weights.DenseLinear)
+
+
+def test_warm_up_logs(caplog):
+    import logging
+
+    qm._warm.discard(QT.Q5_1)
+    with caplog.at_level(logging.INFO, logger="omlx.kernels"):
+        seconds = qm.warm_up([QT.Q5_1, QT.F32])
+    assert seconds >= 0 and QT.Q5_1 in qm._warm
+    assert any("Q5_1" in r.getMessage() for r in caplog.records)
+    assert qm.warm_up([QT.Q5_1]) == 0.0  # once per process
+
+
+# -- the work-sharing pool -----------------------------------------------------------------
+
+
+def _pool_or_skip():
+    pool = qm._get_pool()
+    if pool is None:
+        pytest.skip("one kernel thread: no pool")
+    return pool
+
+
+def test_pool_jobs_are_exact_and_write_nothing_late():
+    """Jobs shared with the worker give exact products, also with grace 0 (the caller steals
+    every chunk the worker has not finished), and no worker writes into y after the call returned
+    (y is refilled with NaN and must stay NaN)."""
+    import time
+
+    pool = _pool_or_skip()
+    rng = np.random.default_rng(11)
+    rows, cols = 2048, 1024  # ~1.3 MB of blocks, 128 chunks: long enough for a parked worker to join
+    raw = quantized_from_floats(QT.Q4_1, rows, cols, rng)
+    w = reference(raw, QT.Q4_1)
+    mv = qm.Matvec(QT.Q4_1, raw, cols)
+    by_workers = 0
+    deadline = time.monotonic() + 30
+    for i in range(400):  # until the worker took part (timing-dependent)
+        x = rng.standard_normal((1 + i % 3, cols)).astype(np.float32)
+        y = np.full((x.shape[0], rows), np.nan, np.float32)
+        with pool.lock:
+            pool.kick()
+            done, _ = qm._pool_matvec(pool.ctl, pool.states, mv.kind, mv.raw, x, pool.x_buffer(x.size), y,
+                                      16, 0 if i % 2 else 10**7, pool.n_workers + 1)
+        by_workers += done
+        assert_product_close(y, x, w)
+        y[:] = np.nan
+        if i % 10 == 0:
+            time.sleep(0.002)
+            assert np.isnan(y).all()
+        if i >= 20 and by_workers or time.monotonic() > deadline:
+            break
+    assert by_workers > 0
+
+
+def test_pool_steals_chunks_of_a_stalled_worker():
+    """Chunks a worker claimed and never finished (as when it loses its core) are computed by the
+    caller after the grace period: the job neither hangs nor misses rows."""
+    pool = _pool_or_skip()
+    rng = np.random.default_rng(13)
+    raw = quantized_from_floats(QT.Q8_0, 640, 256, rng)
+    w = reference(raw, QT.Q8_0)
+    mv = qm.Matvec(QT.Q8_0, raw, 256)
+    stalled = [1, 7, 20, 39]  # of 40 chunks of 16 rows
+    for T in (1, 3):
+        x = rng.standard_normal((T, 256)).astype(np.float32)
+        y = np.full((T, 640), np.nan, np.float32)
+        with pool.lock:
+            seq = ((int(pool.ctl[qm._WORD]) >> 32) + 1) & 0x7FFFFFFF  # the job about to be published
+            for c in stalled:
+                pool.states[c] = (seq << 2) | qm._ST_COMPUTING
+            _, stolen = qm._pool_matvec(pool.ctl, pool.states, mv.kind, mv.raw, x, pool.x_buffer(x.size), y,
+                                        16, 1000, pool.n_workers + 1)
+        assert stolen == len(stalled)
+        assert_product_close(y, x, w)
+
+
+def test_pool_from_several_threads():
+    """Concurrent callers: one runs a job, the others fall back to their own thread."""
+    import threading
+
+    _pool_or_skip()
+    rng = np.random.default_rng(12)
+    layers = []
+    for qtype in (QT.Q8_0, QT.Q4_1, QT.Q5_0):
+        raw = quantized_from_floats(qtype, 300, 512, rng)
+        layers.append((weights.QuantLinear(raw, qtype, 300, 512), reference(raw, qtype)))
+    errors = []
+
+    def run(seed):
+        r = np.random.default_rng(seed)
+        try:
+            for i in range(60):
+                lin, w = layers[i % len(layers)]
+                x = r.standard_normal((1 + i % 2, 512)).astype(np.float32)
+                assert_product_close(lin(x), x, w)
+        except AssertionError as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_float16_conversion_without_f16c(monkeypatch):
+    """The integer float16 -> float32 conversion (CPUs without F16C) is exact for every bit
+    pattern: compiled here, uncached, with the F16C path switched off."""
+    from numba import njit
+
+    monkeypatch.setattr(qm, "_F16C", False)
+    deq_f16 = qm._make_deq(*qm._DECODERS[QT.F16])  # vector conversion (F16 weights)
+    deq_q4_1 = qm._make_deq(*qm._DECODERS[QT.Q4_1])  # scalar conversion (block scales)
+
+    @njit
+    def run_f16(raw, out):
+        for i in range(out.shape[0]):
+            deq_f16(raw[i], out[i])
+
+    @njit
+    def run_q4_1(raw, out):
+        for i in range(out.shape[0]):
+            deq_q4_1(raw[i], out[i])
+
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    out = np.empty((1, 1 << 16), np.float32)
+    run_f16(patterns.view(np.uint8).reshape(1, -1), out)
+    ref = patterns.view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    np.testing.assert_array_equal(np.isnan(out[0]), nan)
+    np.testing.assert_array_equal(bits(out[0][~nan]), bits(ref[~nan]))  # incl. ±0, subnormals, ±inf
+
+    raw = make(QT.Q4_1, "any-scale", 16, 256, seed=9)
+    out = np.empty((16, 256), np.float32)
+    run_q4_1(raw, out)
+    np.testing.assert_array_equal(bits(out), bits(reference(raw, QT.Q4_1)))
