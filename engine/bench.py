@@ -87,7 +87,7 @@ def run_bench(engine, specs: list[str], *, doc: Path = DEFAULT_DOC, questions: l
             session = Session(engine, ctx=ctx)
             document = session.add_document(text=text, name=doc.name, prefill=False)
             stats = []
-            with _Sampler(lambda: engine.prefix_cache().nbytes) as sampler:
+            with _Sampler(lambda: engine.kv_usage()[0]) as sampler:
                 for i, q in enumerate(questions):
                     if progress:
                         progress(f"{spec}: question {i + 1}/{len(questions)}")

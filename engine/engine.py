@@ -129,6 +129,7 @@ class Engine:
         self.disk_cache = True  # save pinned prefixes under the user's cache folder
         self.prefix_capacity_tokens = 2 * model.context_length
         self._prefix = None
+        self._prefix_lock = threading.Lock()
         self._model_id: str | None = None
 
     @classmethod
@@ -179,13 +180,20 @@ class Engine:
         a new cache; the old one's blocks are released when the sessions holding it move on."""
         from .kv.prefix import PrefixCache, PrefixDiskStore
 
-        if self._prefix is None or self._prefix.config != self.kv_config:
-            if self._prefix is not None:
-                self._prefix.clear()
-            disk = PrefixDiskStore() if self.disk_cache else None
-            self._prefix = PrefixCache(self.model, self.kv_config, model_id=self.model_id,
-                                       capacity_tokens=self.prefix_capacity_tokens, disk=disk)
-        return self._prefix
+        with self._prefix_lock:  # two threads must never each make their own
+            if self._prefix is None or self._prefix.config != self.kv_config:
+                if self._prefix is not None:
+                    self._prefix.clear()
+                disk = PrefixDiskStore() if self.disk_cache else None
+                self._prefix = PrefixCache(self.model, self.kv_config, model_id=self.model_id,
+                                           capacity_tokens=self.prefix_capacity_tokens, disk=disk)
+            return self._prefix
+
+    def kv_usage(self) -> tuple[int, int]:
+        """(bytes in use, bytes allocated) of the current prefix cache's pools, (0, 0) before
+        there is one. Never creates one: safe to poll from a monitoring thread."""
+        cache = self._prefix
+        return (cache.nbytes, cache.capacity_bytes) if cache is not None else (0, 0)
 
     def kv_scheme(self) -> list[tuple[str, str, str]]:
         """Per-layer K/V formats, run-length grouped: [(layers, K format, V format)]."""

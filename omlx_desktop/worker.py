@@ -224,8 +224,7 @@ class EngineWorker(QObject):
     def _publish_kv(self) -> None:
         if self.engine is None:
             return
-        cache = self.engine.prefix_cache()
-        self.kv.publish(cache.nbytes, cache.capacity_bytes)
+        self.kv.publish(*self.engine.kv_usage())
 
     # -- conversations --------------------------------------------------------------------
     def _close_session(self) -> None:
