@@ -26,30 +26,12 @@ from omlx_desktop.chart import format_bytes  # noqa: E402
 from omlx_desktop.store import Store  # noqa: E402
 from omlx_desktop.window import MainWindow  # noqa: E402
 
+from .qt_wait import pump, wait_until  # noqa: E402
+
 from .conftest import DATA  # noqa: E402
 
 TIMEOUT = 120.0
 SHORT = 10
-
-
-def pump(seconds: float) -> None:
-    """Runs the event loop for a while. Not QTest.qWait / qtbot.waitUntil: qWait keeps the GIL
-    while it waits, starving the engine's worker thread (answers take several times longer)."""
-    end = time.monotonic() + seconds
-    while True:
-        QApplication.processEvents()
-        left = end - time.monotonic()
-        if left <= 0:
-            return
-        time.sleep(min(left, 0.005))
-
-
-def wait_until(condition, timeout: float = TIMEOUT, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        pump(0.01)
 
 
 def ask(window: MainWindow, text: str, max_tokens: int = SHORT, *, enter: bool = True) -> dict:

@@ -24,27 +24,9 @@ from engine.catalog import CatalogError  # noqa: E402
 from omlx_desktop.chart import format_bytes  # noqa: E402
 from omlx_desktop.window import MainWindow  # noqa: E402
 
+from .qt_wait import pump, wait_until  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def pump(seconds: float) -> None:
-    """Runs the event loop for a while. Not QTest.qWait / qtbot.waitUntil: qWait keeps the GIL
-    while it waits, starving the engine's worker thread (answers take several times longer)."""
-    end = time.monotonic() + seconds
-    while True:
-        QApplication.processEvents()
-        left = end - time.monotonic()
-        if left <= 0:
-            return
-        time.sleep(min(left, 0.005))
-
-
-def wait_until(condition, timeout: float = 120.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        pump(0.01)
 
 
 def fake_fetch(result: Path | None):
