@@ -276,15 +276,14 @@ class Engine:
     def _chunk_size(cache: KVCache) -> int:
         """Prefill chunk: PREFILL_CHUNK, or less when a context-limited cache has less room
         beside what it may never drop (so the overflow policy can always make room)."""
-        limit = getattr(cache, "limit", None)
-        if limit is None:
+        if cache.limit is None:
             return PREFILL_CHUNK
-        room = limit - cache.protected_blocks() * cache.config.block_size
+        room = cache.limit - cache.protected_tokens_floor()
         return max(1, min(PREFILL_CHUNK, room // 2))
 
-    @staticmethod
-    def _can_drop(cache: KVCache) -> bool:
-        return getattr(cache, "limit", None) is not None and getattr(cache, "overflow", "stop") != "stop"
+    def _limit(self, cache: KVCache) -> int:
+        """The tokens `cache` may hold: its own limit, never past the model's context."""
+        return min(self.model.context_length, cache.limit or self.model.context_length)
 
     def stream(
         self,
@@ -308,8 +307,8 @@ class Engine:
         sampling = sampling or SamplingParams()
         sampling.validate()
         cache = cache if cache is not None else self.new_cache()
-        limit = min(self.model.context_length, getattr(cache, "limit", None) or self.model.context_length)
-        if not self._can_drop(cache) and cache.offset + len(prompt_ids) >= limit:
+        limit = self._limit(cache)
+        if not cache.can_drop and cache.offset + len(prompt_ids) >= limit:
             raise EngineError(
                 f"the prompt is {len(prompt_ids):,} tokens but the context holds {limit:,} "
                 f"({cache.offset:,} already used)"
@@ -324,9 +323,8 @@ class Engine:
         peak = PeakRSS()
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         t_start = time.perf_counter()
-        dropped_before = getattr(cache, "dropped_tokens", 0)
-        limit = min(self.model.context_length, getattr(cache, "limit", None) or self.model.context_length)
-        can_drop = self._can_drop(cache)
+        dropped_before = cache.dropped_tokens
+        limit = self._limit(cache)
 
         def finish(reason: str, ids: list[int], text: str, t_first: float | None):
             now = time.perf_counter()
@@ -336,8 +334,8 @@ class Engine:
                 stats.decode_tok_s = (len(ids) - 1) / max(now - t_first, 1e-9)
             stats.peak_rss_bytes = max(peak.peak, peak.sample())
             stats.kv_bytes = cache.nbytes
-            stats.kv_capacity_bytes = getattr(cache, "capacity_bytes", cache.nbytes)
-            stats.dropped_tokens = getattr(cache, "dropped_tokens", 0) - dropped_before
+            stats.kv_capacity_bytes = cache.capacity_bytes
+            stats.dropped_tokens = cache.dropped_tokens - dropped_before
             log.info("generation: peak RSS %.1f MiB, KV %.2f MiB in use, %.2f MiB allocated (%s)",
                      stats.peak_rss_bytes / 2**20, stats.kv_bytes / 2**20,
                      stats.kv_capacity_bytes / 2**20, reason)
@@ -384,7 +382,7 @@ class Engine:
                 break
             if len(ids) >= max_tokens:
                 break
-            if cache.offset + 1 >= limit and not can_drop:
+            if cache.offset + 1 >= limit and not cache.can_drop:
                 reason = "context_full"
                 break
             try:
@@ -418,7 +416,7 @@ class Engine:
         if n < 1:
             raise EngineError("need at least two tokens to evaluate")
         cache = cache if cache is not None else self.new_cache()
-        if len(tokens) > self.model.context_length and not self._can_drop(cache):
+        if len(tokens) > self.model.context_length and not cache.can_drop:
             raise EngineError(f"{len(tokens):,} tokens exceed the context of {self.model.context_length:,}")
         top_ids = np.empty((n, LOGPROB_TOP_K), np.int32)
         top_lp = np.empty((n, LOGPROB_TOP_K), np.float32)

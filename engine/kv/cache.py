@@ -91,10 +91,32 @@ class FullPrecisionLayerCache(LayerKVCache):
 
 
 class KVCache:
-    """All layers' caches for one sequence."""
+    """All layers' caches for one sequence.
+
+    Context limit: a plain cache has none (`limit` None: the model's context is the bound) and
+    never drops tokens; the paged cache sets `limit`, `overflow` and counts `dropped_tokens`.
+    """
+
+    limit: int | None = None
+    overflow: str = "stop"
+    dropped_tokens: int = 0
 
     def __init__(self, layers: list[LayerKVCache]):
         self.layers = layers
+
+    @property
+    def can_drop(self) -> bool:
+        """Whether appending past `limit` drops older tokens instead of failing."""
+        return self.limit is not None and self.overflow != "stop"
+
+    def protected_tokens_floor(self) -> int:
+        """Leading tokens no overflow policy may drop (0 for a cache that never drops)."""
+        return 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes allocated (a plain cache holds exactly what it allocated)."""
+        return self.nbytes
 
     def __getitem__(self, i: int) -> LayerKVCache:
         return self.layers[i]

@@ -526,6 +526,9 @@ class PagedKVCache(KVCache):
         B = self.config.block_size
         return max(self.keep_sink_blocks, -(-self.protected_tokens // B))
 
+    def protected_tokens_floor(self) -> int:
+        return self.protected_blocks() * self.config.block_size
+
     def make_room(self, n_tokens: int) -> int:
         """Apply the overflow policy so n_tokens more fit under `limit`; returns tokens dropped.
 
