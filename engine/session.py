@@ -130,6 +130,7 @@ class Session:
         self._live: PagedKVCache | None = None
         self._pinned_keys: list[bytes] = []
         self._saved_key: bytes | None = None
+        self._prefix_memo: tuple[str, str, list[int]] | None = None  # (system content, text, ids)
 
     # -- settings -------------------------------------------------------------------------
     def set_overflow(self, policy: str) -> None:
@@ -190,10 +191,9 @@ class Session:
             system_msgs = [{"role": "system", "content": system}] if system else []
             if not system_msgs:
                 return e.encode_chat(list(conversation), add_generation_prompt), 0
-            prefix_text = tok.apply_chat_template(system_msgs, add_generation_prompt=False)
+            prefix_text, prefix_ids = self._encoded_prefix(system)
             full_text = tok.apply_chat_template(system_msgs + list(conversation),
                                                 add_generation_prompt=add_generation_prompt)
-            prefix_ids = e.encode_chat(system_msgs, add_generation_prompt=False)
             if not full_text.startswith(prefix_text):  # a template that rewrites the system turn
                 return e.encode_chat(system_msgs + list(conversation), add_generation_prompt), 0
             rest = full_text[len(prefix_text):]
@@ -206,8 +206,24 @@ class Session:
         rest = "\n".join(lines) + ("\nAnswer:" if add_generation_prompt else "")
         if not system:
             return tok.encode(rest, add_bos=True, parse_special=False), 0
-        prefix_ids = tok.encode(system + "\n\n", add_bos=True, parse_special=False)
+        prefix_ids = self._encoded_prefix(system)[1]
         return prefix_ids + tok.encode(rest, add_bos=False, parse_special=False), len(prefix_ids)
+
+    def _encoded_prefix(self, system: str) -> tuple[str, list[int]]:
+        """The pinned prefix's rendered text and token ids for a system content. Remembered for
+        the last content: every turn renders the prefix, and tokenizing pinned documents again
+        each time (thousands of tokens) is work the first turn already did."""
+        if self._prefix_memo is None or self._prefix_memo[0] != system:
+            e, tok = self.engine, self.engine.tokenizer
+            if e.has_chat_template:
+                system_msgs = [{"role": "system", "content": system}]
+                text = tok.apply_chat_template(system_msgs, add_generation_prompt=False)
+                ids = e.encode_chat(system_msgs, add_generation_prompt=False)
+            else:
+                text = system + "\n\n"
+                ids = tok.encode(text, add_bos=True, parse_special=False)
+            self._prefix_memo = (system, text, ids)
+        return self._prefix_memo[1], list(self._prefix_memo[2])
 
     def prefix_tokens(self, documents: Sequence[Document] | None = None) -> int:
         return self.render([], documents, add_generation_prompt=False)[1]
@@ -292,8 +308,8 @@ class Session:
         """Pin the full blocks of the prefix and save them to disk; returns pinned tokens."""
         cache = self._prefix_cache()
         n_blocks = n_prefix // cache.B
-        keys = [k for k in cache.chain_keys(ids[: n_blocks * cache.B]) if k in cache.entries]
-        keys = keys[: next((i for i, k in enumerate(keys) if k not in cache.entries), len(keys))]
+        keys = cache.chain_keys(ids[: n_blocks * cache.B])
+        keys = keys[: cache.usable_blocks(keys)]  # the leading blocks that are really cached
         cache.pin(keys)
         cache.unpin(self._pinned_keys)
         self._pinned_keys = keys
@@ -329,7 +345,7 @@ class Session:
                     return live, common, "memory"
             else:
                 common = min(common, len(ids) - 1)
-                in_memory = cache._usable(cache.chain_keys(ids, (len(ids) - 1) // cache.B)) * cache.B
+                in_memory = cache.usable_blocks(cache.chain_keys(ids, (len(ids) - 1) // cache.B)) * cache.B
                 if common > 0 and common >= in_memory:
                     try:
                         live.trim(len(history) - common)

@@ -170,7 +170,7 @@ class PrefixCache:
                                     overflow=overflow, protected_tokens=protected_tokens,
                                     use_kernels=self.use_kernels)
 
-    def _usable(self, keys: list[bytes]) -> int:
+    def usable_blocks(self, keys: list[bytes]) -> int:
         """How many leading blocks of `keys` a new sequence can attach: all in memory, and every
         window layer has the blocks its window needs at that point."""
         n = 0
@@ -199,12 +199,12 @@ class PrefixCache:
             raise ValueError("attach needs an empty sequence")
         max_blocks = (len(token_ids) - 1) // self.B
         keys = self.chain_keys(token_ids, max_blocks)
-        n = self._usable(keys)
+        n = self.usable_blocks(keys)
         disk_tokens = 0
         if self.disk is not None and n < len(keys):
             loaded = self.disk.load_longest(self, keys, token_ids, start=n)
             if loaded:
-                n_after = self._usable(keys)
+                n_after = self.usable_blocks(keys)
                 disk_tokens = (n_after - n) * self.B
                 n = n_after
         if n == 0:
