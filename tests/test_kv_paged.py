@@ -230,6 +230,36 @@ def test_layer_prefill_chunks_and_decode_agree(spec, window):
         assert maxdiff(f16[0].attend(q, k, v, scale=0.125, window=window), one) > 1e-3
 
 
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("spec", ["f16", "k4v4", "k6v4,rot", "k8v2,sinks=20"])
+def test_decode_kernel_matches_numpy_decode_and_attention_mass(spec, window):
+    """The one-call decode kernel and the numpy path agree on outputs and on the attention each
+    position received (H2O eviction reads it), block fills and sinks included; trimming forgets
+    the trimmed positions' mass."""
+    rng = np.random.default_rng(3)
+    T, H, Hkv, D = 75, 6, 2, 64
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    k = rng.standard_normal((T, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((T, Hkv, D)).astype(np.float32)
+    config = KVConfig.parse(spec + ",bs=16")
+    caches = []
+    for use_kernels in (True, False):
+        cache = PagedKVCache(config, n_layers=1, n_kv_heads=Hkv, head_dim=D, windows=[window],
+                             use_kernels=use_kernels, overflow="attention")
+        outs = [cache[0].attend(q[:20], k[:20], v[:20], scale=0.125, window=window)]
+        outs += [cache[0].attend(q[t : t + 1], k[t : t + 1], v[t : t + 1], scale=0.125, window=window)
+                 for t in range(20, T)]
+        caches.append((cache, np.concatenate(outs)))
+    (fast, out_fast), (ref, out_ref) = caches
+    np.testing.assert_allclose(out_fast, out_ref, atol=2e-5, rtol=0)
+    assert fast[0].block_table == ref[0].block_table and fast[0].n_tail == ref[0].n_tail
+    np.testing.assert_allclose(fast[0].attn_mass[:T], ref[0].attn_mass[:T], atol=2e-4, rtol=1e-5)
+    assert fast[0].attn_mass[:T].sum() == pytest.approx(H * T, rel=1e-4)  # one per query and head
+    fast.trim(2)
+    assert not fast[0].attn_mass[T - 2 :].any()
+
+
 def _qkv(T=40, H=4, Hkv=2, D=64, seed=11):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((T, H, D)).astype(np.float32)

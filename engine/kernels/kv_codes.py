@@ -31,7 +31,9 @@ the CPU's denormal (FTZ/DAZ) mode.
 from __future__ import annotations
 
 import numpy as np
-from numba import get_num_threads, njit, prange
+from numba import carray, get_num_threads, njit, prange
+
+from .quant_matvec import _deq_f16, _u8_ptr
 
 # fast-math flags that let LLVM vectorize the float reductions (reassociate) and fuse multiply-adds,
 # without assuming the data is free of infinities / NaNs
@@ -59,6 +61,15 @@ def _halves(src, out):
     """Little-endian float16 values in the bytes src (2*n,) -> out (n,) float32."""
     for i in range(out.shape[0]):
         out[i] = _f16_to_f32(np.uint32(src[2 * i]) | (np.uint32(src[2 * i + 1]) << np.uint32(8)))
+
+
+@njit(cache=True, inline="always")
+def _f16_tile(src, out):
+    """`_halves`, 16 values at a time with the weight kernels' vector conversion when it can."""
+    if out.shape[0] % 16 == 0:
+        _deq_f16(src, out)
+    else:
+        _halves(src, out)
 
 
 # The loops below index 1-D slices with plain range variables only: numba then needs no
@@ -148,14 +159,14 @@ def _unpack_tile(row, h, n, bits, x):
 def _tile_scales(row, h, n_sc, bits, symmetric, code_bytes, n_groups, sd, zd):
     """Head h's n_sc group scales -> sd[:n_sc] and offsets -> zd[:n_sc], so that value = code*s + z
     (z = min, or -2**(bits-1)*s for symmetric formats)."""
-    _halves(row[code_bytes + 2 * h * n_sc : code_bytes + 2 * (h + 1) * n_sc], sd)
+    _f16_tile(row[code_bytes + 2 * h * n_sc : code_bytes + 2 * (h + 1) * n_sc], sd[:n_sc])
     if symmetric:
         half = np.float32(1 << (bits - 1))
         for i in range(n_sc):
             zd[i] = -half * sd[i]
     else:
         min0 = code_bytes + 2 * n_groups  # byte offset of the mins
-        _halves(row[min0 + 2 * h * n_sc : min0 + 2 * (h + 1) * n_sc], zd)
+        _f16_tile(row[min0 + 2 * h * n_sc : min0 + 2 * (h + 1) * n_sc], zd[:n_sc])
 
 
 @njit(cache=True, fastmath=_FAST)
@@ -284,7 +295,7 @@ def _run(pool, ids, j0, j1, a, T, D, bits, group, channel, symmetric, code_bytes
         for h in range(a.shape[0]):
             qh = a[h]
             if bits == 16:  # float16 values: head h is bytes [2*h*T*D, 2*(h+1)*T*D)
-                _halves(row[2 * h * T * D : 2 * (h + 1) * T * D], x)
+                _f16_tile(row[2 * h * T * D : 2 * (h + 1) * T * D], x)
             else:
                 _unpack_tile(row, h, T * D, bits, x)
                 _tile_scales(row, h, n_sc, bits, symmetric, code_bytes, n_groups, sd, zd)
@@ -452,3 +463,396 @@ def weighted_values(
     if n_chunks:
         _run(pool, ids, 0, len(ids), p, block_tokens, value_dim, *layout, True, out)
     return out
+
+
+# ---- one decode step -------------------------------------------------------------------------
+# A token being decoded (one query per head) attends to its layer's whole cache in one call:
+# scores over the quantized blocks (read from their packed codes), the full-precision sinks and
+# the recent tokens, the masked softmax, and the weighted values. The numpy path in
+# `engine.kv.paged` needs ~30 array operations per layer for the same step, each with its own
+# overhead; on small models that overhead, not the arithmetic, was most of a decode step.
+
+
+@njit(cache=True, nogil=True)
+def _row_at(addr, n):
+    """The pool row of n bytes at address `addr` (a row of a live slab; see `row_addresses`)."""
+    return carray(_u8_ptr(addr), (n,))
+
+
+_I15, _I4 = np.int32(15), np.int32(4)  # int32 constants keep nibble arithmetic in 32-bit lanes
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split so that k*_LN2_HI is exact for |k| < 2**8
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@njit(cache=True, inline="always", fastmath=_FAST)
+def _exp_le0(x):
+    """exp(x) for x <= 0 (softmax after subtracting the maximum), branch-free so that loops over
+    it vectorize: x = k*ln2 + r, |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial
+    (relative error < 2e-7), times 2**k built in the exponent bits. Inputs below -87 give
+    exp(-87) ~ 1.6e-38 (a normal float32: no subnormal slow path) instead of 0."""
+    x = max(x, np.float32(-87.0))
+    k = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - k * _LN2_HI - k * _LN2_LO
+    p = np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * np.int32((np.int32(k) + np.int32(127)) << np.int32(23)).view(np.float32)
+
+
+@njit(cache=True, inline="always", fastmath=_FAST)
+def _scores_q4_channel(tile, qe, qo, bias, B, D, s_h, col0, g0, n_g):
+    """4-bit keys quantized per channel, read straight from their nibbles, for up to 4 queries at
+    once (each token's codes converted once for all of them); tile (B, D/2) uint8, C-contiguous
+    (rows typed contiguous, which LLVM needs to vectorize): for k < n_g,
+    s_h[g0 + k, col0 + t] = Σ_i qe[k, i]*lo(byte i of token t) + qo[k, i]*hi(byte i) + bias[k],
+    qe/qo (4, D/2) the scale-folded queries' even/odd channels (channel 2i is byte i's low
+    nibble, 2i+1 its high), rows n_g.. zero."""
+    D2 = D // 2
+    e0, e1, e2, e3 = qe[0], qe[1], qe[2], qe[3]
+    o0, o1, o2, o3 = qo[0], qo[1], qo[2], qo[3]
+    for t in range(B):
+        src = tile[t]
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for i in range(D2):
+            b = np.int32(src[i])
+            lo = np.float32(b & _I15)
+            hi = np.float32(b >> _I4)
+            a0 += e0[i] * lo + o0[i] * hi
+            a1 += e1[i] * lo + o1[i] * hi
+            a2 += e2[i] * lo + o2[i] * hi
+            a3 += e3[i] * lo + o3[i] * hi
+        s_h[g0, col0 + t] = a0 + bias[0]
+        if n_g > 1:
+            s_h[g0 + 1, col0 + t] = a1 + bias[1]
+        if n_g > 2:
+            s_h[g0 + 2, col0 + t] = a2 + bias[2]
+        if n_g > 3:
+            s_h[g0 + 3, col0 + t] = a3 + bias[3]
+
+
+@njit(cache=True, inline="always", fastmath=_FAST)
+def _values_q4_token(tile, p_h, sd, zd, group, B, Dv, col0, g0, n_g, acc_e, acc_o):
+    """4-bit values quantized per token in groups along Dv, read from their nibbles, for up to 4
+    queries at once; tile (B, Dv/2) uint8, C-contiguous: for k < n_g, acc_e[k, i] += Σ_t p_h[g0 + k, col0 + t]*v[t, 2i] (acc_o:
+    channel 2i+1), v = code*scale + offset; acc_e, acc_o (4, Dv/2)."""
+    D2 = Dv // 2
+    G2 = group // 2
+    n_grp = Dv // group
+    zero = np.float32(0.0)
+    for t in range(B):
+        src = tile[t]
+        p0 = p_h[g0, col0 + t]
+        p1 = p_h[g0 + 1, col0 + t] if n_g > 1 else zero
+        p2 = p_h[g0 + 2, col0 + t] if n_g > 2 else zero
+        p3 = p_h[g0 + 3, col0 + t] if n_g > 3 else zero
+        if p0 == 0.0 and p1 == 0.0 and p2 == 0.0 and p3 == 0.0:  # masked or sink tokens
+            continue
+        if n_grp == 1:  # one group per token row (the V4 default): whole, contiguous rows
+            sc = sd[t]
+            z = zd[t]
+            w0, w1, w2, w3 = p0 * sc, p1 * sc, p2 * sc, p3 * sc
+            z0, z1, z2, z3 = p0 * z, p1 * z, p2 * z, p3 * z
+            e0, e1, e2, e3 = acc_e[0], acc_e[1], acc_e[2], acc_e[3]
+            o0, o1, o2, o3 = acc_o[0], acc_o[1], acc_o[2], acc_o[3]
+            for i in range(D2):
+                b = np.int32(src[i])
+                lo = np.float32(b & _I15)
+                hi = np.float32(b >> _I4)
+                e0[i] += w0 * lo + z0
+                o0[i] += w0 * hi + z0
+                e1[i] += w1 * lo + z1
+                o1[i] += w1 * hi + z1
+                e2[i] += w2 * lo + z2
+                o2[i] += w2 * hi + z2
+                e3[i] += w3 * lo + z3
+                o3[i] += w3 * hi + z3
+            continue
+        for k in range(n_grp):
+            sc = sd[t * n_grp + k]
+            z = zd[t * n_grp + k]
+            w0, w1, w2, w3 = p0 * sc, p1 * sc, p2 * sc, p3 * sc
+            z0, z1, z2, z3 = p0 * z, p1 * z, p2 * z, p3 * z
+            sk = src[k * G2 : (k + 1) * G2]
+            e0 = acc_e[0, k * G2 : (k + 1) * G2]
+            e1 = acc_e[1, k * G2 : (k + 1) * G2]
+            e2 = acc_e[2, k * G2 : (k + 1) * G2]
+            e3 = acc_e[3, k * G2 : (k + 1) * G2]
+            o0 = acc_o[0, k * G2 : (k + 1) * G2]
+            o1 = acc_o[1, k * G2 : (k + 1) * G2]
+            o2 = acc_o[2, k * G2 : (k + 1) * G2]
+            o3 = acc_o[3, k * G2 : (k + 1) * G2]
+            for i in range(G2):
+                b = np.int32(sk[i])
+                lo = np.float32(b & _I15)
+                hi = np.float32(b >> _I4)
+                e0[i] += w0 * lo + z0
+                o0[i] += w0 * hi + z0
+                e1[i] += w1 * lo + z1
+                o1[i] += w1 * hi + z1
+                e2[i] += w2 * lo + z2
+                o2[i] += w2 * hi + z2
+                e3[i] += w3 * lo + z3
+                o3[i] += w3 * hi + z3
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
+    """s[h, g, j*B + t] = q[h, g]·k (unscaled) for the tokens of blocks j0..j1-1 (see
+    `decode_attention` for the arguments)."""
+    Hkv, G, D = q.shape
+    kb, kg, kc, ks, kcb, kng, krb = k_layout
+    n_sc = 1 if kb == 16 else (D if kc else B * D // kg)
+    fold = kc and kb != 16
+    nibbles = kb == 4 and kc
+    x = np.empty(B * D, np.float32)
+    sd = np.empty(n_sc, np.float32)
+    zd = np.empty(n_sc, np.float32)
+    qs = np.empty((G, D), np.float32)
+    D2 = D // 2
+    qe = np.zeros((4, D2), np.float32)
+    qo = np.zeros((4, D2), np.float32)
+    bias = np.zeros(G, np.float32)
+    bias4 = np.zeros(4, np.float32)
+    sd_e = np.empty(D2, np.float32)
+    sd_o = np.empty(D2, np.float32)
+    zd_e = np.empty(D2, np.float32)
+    zd_o = np.empty(D2, np.float32)
+    q_e = np.empty((Hkv, G, D2), np.float32)  # the query's even / odd channels
+    q_o = np.empty((Hkv, G, D2), np.float32)
+    if nibbles:
+        for h in range(Hkv):
+            for g in range(G):
+                for i in range(D2):
+                    q_e[h, g, i] = q[h, g, 2 * i]
+                    q_o[h, g, i] = q[h, g, 2 * i + 1]
+    for j in range(j0, j1):
+        row = _row_at(k_rows[j], krb)
+        for h in range(Hkv):
+            qh = q[h]
+            if kb == 16:
+                _f16_tile(row[2 * h * B * D : 2 * (h + 1) * B * D], x)
+            else:
+                if not nibbles:
+                    _unpack_tile(row, h, B * D, kb, x)
+                _tile_scales(row, h, n_sc, kb, ks, kcb, kng, sd, zd)
+                if nibbles:
+                    pass  # folded per group of 4 queries below
+                elif fold:
+                    _fold_channel_scales(q[h], sd, zd, qs, bias)
+                    qh = qs
+                else:
+                    _dequantize_tile(x, B, D, kg, kc, sd, zd)
+            if nibbles:
+                tile = carray(_u8_ptr(k_rows[j] + h * B * D // 2), (B, D // 2))
+                for i in range(D2):  # channel scales/offsets split like the nibbles: even, odd
+                    sd_e[i] = sd[2 * i]
+                    sd_o[i] = sd[2 * i + 1]
+                    zd_e[i] = zd[2 * i]
+                    zd_o[i] = zd[2 * i + 1]
+                for g0 in range(0, G, 4):
+                    n_g = min(4, G - g0)
+                    for k in range(n_g):  # fold the scales into the query: (q*s)·c + q·z
+                        a = q_e[h, g0 + k]
+                        b = q_o[h, g0 + k]
+                        e = qe[k]
+                        o = qo[k]
+                        acc = np.float32(0.0)
+                        for i in range(D2):
+                            e[i] = a[i] * sd_e[i]
+                            o[i] = b[i] * sd_o[i]
+                            acc += a[i] * zd_e[i] + b[i] * zd_o[i]
+                        bias4[k] = acc
+                    _scores_q4_channel(tile, qe, qo, bias4, B, D, s[h], j * B, g0, n_g)
+            else:
+                _tile_scores(qh, x, B, D, bias, s[h], j * B)
+            if fold:
+                bias[:] = 0.0
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _block_values(v_rows, j0, j1, v_layout, B, p, out):
+    """out[h, g] += Σ p[h, g, j*B + t]·v over the tokens of blocks j0..j1-1."""
+    Hkv, G, Dv = out.shape
+    vb, vg, vc, vs, vcb, vng, vrb = v_layout
+    n_sc = 1 if vb == 16 else (Dv if vc else B * Dv // vg)
+    nibbles = vb == 4 and not vc and vg % 2 == 0
+    x = np.empty(B * Dv, np.float32)
+    sd = np.empty(n_sc, np.float32)
+    zd = np.empty(n_sc, np.float32)
+    n_g4 = (G + 3) // 4  # queries in groups of 4 (the last padded)
+    acc_e = np.zeros((n_g4, 4, Dv // 2), np.float32)
+    acc_o = np.zeros((n_g4, 4, Dv // 2), np.float32)
+    for h in range(Hkv):
+        if nibbles:
+            acc_e[:] = 0.0
+            acc_o[:] = 0.0
+        for j in range(j0, j1):
+            row = _row_at(v_rows[j], vrb)
+            if vb == 16:
+                _f16_tile(row[2 * h * B * Dv : 2 * (h + 1) * B * Dv], x)
+            else:
+                _tile_scales(row, h, n_sc, vb, vs, vcb, vng, sd, zd)
+                if nibbles:
+                    tile = carray(_u8_ptr(v_rows[j] + h * B * Dv // 2), (B, Dv // 2))
+                    for c in range(n_g4):
+                        _values_q4_token(tile, p[h], sd, zd, vg, B, Dv, j * B, 4 * c, min(4, G - 4 * c),
+                                         acc_e[c], acc_o[c])
+                    continue
+                _unpack_tile(row, h, B * Dv, vb, x)
+                _dequantize_tile(x, B, Dv, vg, vc, sd, zd)
+            _tile_values(p[h], x, B, Dv, j * B, out[h])
+        if nibbles:
+            for g in range(G):
+                for i in range(Dv // 2):
+                    out[h, g, 2 * i] += acc_e[g // 4, g % 4, i]
+                    out[h, g, 2 * i + 1] += acc_o[g // 4, g % 4, i]
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _softmax_and_full_precision(q, scale, sink_k, sink_v, sink0, n_sink_old, recent_k, recent_v, n_recent,
+                                first_visible, L_old, s, mass, out):
+    """The part of `decode_attention` between the block passes: scores of the sinks and recent
+    tokens, the masked softmax of s in place, the mass, and out = the sinks' and recent tokens'
+    weighted values (the sink columns of s then zeroed so the block pass skips them)."""
+    Hkv, G, D = q.shape
+    Dv = out.shape[2]
+    L = L_old + n_recent
+    for h in range(Hkv):
+        for g in range(G):
+            qg = q[h, g]
+            for c in range(n_sink_old):
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += qg[d] * sink_k[h, sink0 + c, d]
+                s[h, g, c] = acc
+            for t in range(n_recent):
+                acc = np.float32(0.0)
+                rk = recent_k[h, t]
+                for d in range(D):
+                    acc += qg[d] * rk[d]
+                s[h, g, L_old + t] = acc
+    for h in range(Hkv):  # masked softmax over the visible columns first_visible .. L-1
+        for g in range(G):
+            sg = s[h, g, first_visible:L]
+            top = -np.inf
+            for c in range(sg.shape[0]):
+                top = max(top, sg[c])
+            top *= scale
+            total = np.float32(0.0)
+            for c in range(sg.shape[0]):
+                e = _exp_le0(sg[c] * scale - top)
+                sg[c] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for c in range(sg.shape[0]):
+                sg[c] *= inv
+            for c in range(first_visible):
+                s[h, g, c] = 0.0
+    if mass.shape[0]:
+        for h in range(Hkv):
+            for g in range(G):
+                for c in range(L):
+                    mass[c] += s[h, g, c]
+    for h in range(Hkv):
+        for g in range(G):
+            og = out[h, g]
+            for d in range(Dv):
+                og[d] = 0.0
+            for c in range(n_sink_old):
+                w = s[h, g, c]
+                s[h, g, c] = 0.0  # the block pass must not add the quantized copy
+                for d in range(Dv):
+                    og[d] += w * sink_v[h, sink0 + c, d]
+            for t in range(n_recent):
+                w = s[h, g, L_old + t]
+                rv = recent_v[h, t]
+                for d in range(Dv):
+                    og[d] += w * rv[d]
+
+
+@njit(cache=True, nogil=True)
+def decode_attention(k_rows, v_rows, k_layout, v_layout, B, q, scale, sink_k, sink_v, sink0, n_sink_old,
+                     recent_k, recent_v, n_recent, first_visible, mass, out):
+    """Attention of one new token (its keys/values already in `recent_*`) over a layer's cache.
+
+    Columns (key positions, oldest first): nb*B block tokens, then n_recent recent tokens.
+
+    k_rows, v_rows: (nb,) int64 addresses of the blocks' K and V pool rows, in sequence order.
+    k_layout, v_layout: (bits, group, channel, symmetric, code_bytes, n_groups, row_bytes) of the
+        formats, as `_layout` gives them (row_bytes appended).
+    q: (Hkv, G, D) float32 queries (G query heads per KV head), rotated like the stored keys.
+    sink_k, sink_v: (Hkv, S, D|Dv) float16-rounded sinks; block columns 0..n_sink_old-1 are sink
+        positions sink0.. (the position of the first block) and use these instead of their
+        quantized copies.
+    recent_k, recent_v: (Hkv, >= n_recent, D|Dv) the unfinished block including the new token:
+        the query's own block, seen at full precision.
+    first_visible: columns before it are outside a sliding window (0 = all visible).
+    mass: (nb*B + n_recent,) float32, += the probabilities summed over heads and queries (H2O);
+        size 0 to skip.
+    out: (Hkv, G, Dv) float32, written.
+
+    4-bit keys on the channel axis and 4-bit values on the token axis (the K4/V4 defaults) are
+    read from their nibbles directly; other formats are decoded a (block, head) tile at a time
+    into a float32 scratch first.
+    """
+    Hkv, G, D = q.shape
+    nb = k_rows.shape[0]
+    s = np.empty((Hkv, G, nb * B + n_recent), np.float32)
+    j0 = first_visible // B  # blocks wholly before the window are skipped
+    _block_scores(k_rows, j0, nb, k_layout, B, q, s)
+    _softmax_and_full_precision(q, scale, sink_k, sink_v, sink0, n_sink_old, recent_k, recent_v, n_recent,
+                                first_visible, nb * B, s, mass, out)
+    _block_values(v_rows, j0, nb, v_layout, B, s, out)
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def masked_softmax(s, lo, hi, scale):
+    """In place, row by row: s[h, m, lo[t]:hi[t]] = softmax(scale * s[h, m, lo[t]:hi[t]]) and the
+    rest of the row 0, where t = m % len(lo) (rows are (query head in the group, token) pairs,
+    token fastest). s (Hkv, M, L) float32; lo, hi (T,) int64 with lo < hi <= L."""
+    T = lo.shape[0]
+    for h in range(s.shape[0]):
+        for m in range(s.shape[1]):
+            t = m % T
+            row = s[h, m]
+            a, b = lo[t], hi[t]
+            sg = row[a:b]
+            top = -np.inf
+            for c in range(sg.shape[0]):
+                top = max(top, sg[c])
+            top *= scale
+            total = np.float32(0.0)
+            for c in range(sg.shape[0]):
+                e = _exp_le0(sg[c] * scale - top)
+                sg[c] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for c in range(sg.shape[0]):
+                sg[c] *= inv
+            row[:a] = 0.0
+            row[b:] = 0.0
+
+
+def decode_layout(fmt, n_kv_heads: int, block_tokens: int, head_dim: int) -> tuple:
+    """`_layout` of a format as the tuple `decode_attention` takes (row bytes appended)."""
+    layout, row_bytes = _layout(fmt, n_kv_heads, block_tokens, head_dim)
+    return tuple(int(v) for v in layout) + (int(row_bytes),)
+
+
+def row_addresses(slabs: list[np.ndarray], slab_blocks: int, blocks) -> np.ndarray:
+    """(nb,) int64 addresses of the pool rows of `blocks` (block b: slab b // slab_blocks, row
+    b % slab_blocks). Valid while the slabs live: a pool keeps its slabs until it is dropped."""
+    ids = np.asarray(blocks, dtype=np.int64)
+    if not len(ids):
+        return ids
+    bases = np.fromiter((s.ctypes.data for s in slabs), dtype=np.int64, count=len(slabs))
+    row_bytes = slabs[0].shape[1]
+    return bases[ids // slab_blocks] + (ids % slab_blocks) * row_bytes

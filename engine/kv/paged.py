@@ -38,6 +38,7 @@ except ImportError:  # pragma: no cover
 # Queries per KV head (query heads per KV head × new tokens) up to which the packed-code kernels
 # are used; larger prefill batches dequantize the old blocks once and use BLAS.
 KERNEL_MAX_QUERIES = 16
+_NO_MASS = np.zeros(0, np.float32)
 
 
 def _round_f16(x: np.ndarray) -> np.ndarray:
@@ -74,6 +75,11 @@ class PagedLayerCache(LayerKVCache):
         self.sink_v = np.zeros((Hkv, sinks, Dv), np.float32)
         self._runs_key: tuple = ()
         self._runs: list = []
+        self._rows_key: tuple = ()
+        self._rows: tuple = ()
+        if self.use_kernels:
+            self._k_layout = kv_codes.decode_layout(pool.k_format, Hkv, self.B, D)
+            self._v_layout = kv_codes.decode_layout(pool.v_format, Hkv, self.B, Dv)
         # Attention each key position received, summed over heads and queries (H2O eviction);
         # only kept when track_attention is set. (positions,) float32, index = position.
         self.track_attention = False
@@ -154,7 +160,11 @@ class PagedLayerCache(LayerKVCache):
 
     # -- attention ---------------------------------------------------------------------------
     def attend(self, q, k, v, *, scale, window):
+        if q.shape[0] == 1 and self.use_kernels:
+            return self._attend_one(q, k, v, scale, window)
         T, H, D = q.shape
+        if HAVE_NUMBA and (H // self.pool.n_kv_heads) * T > KERNEL_MAX_QUERIES:
+            return self._attend_many(q, k, v, scale, window)
         Hkv = self.pool.n_kv_heads
         G = H // Hkv
         B, S = self.B, self.n_sinks
@@ -238,6 +248,139 @@ class PagedLayerCache(LayerKVCache):
         Dv = out.shape[-1]
         return out.reshape(Hkv, G, T, Dv).transpose(2, 0, 1, 3).reshape(T, H, Dv)
 
+    def _attend_many(self, q, k, v, scale, window):
+        """`attend` for a batch of new tokens (prefill, teacher forcing): one BLAS product over
+        the keys as stored (old blocks and the blocks that fill up now, dequantized), then the
+        few scores that see full precision recomputed — each query's own block and the sinks —,
+        the masked softmax in one compiled pass per row, and the values likewise."""
+        T, H, D = q.shape
+        Hkv, B, S = self.pool.n_kv_heads, self.B, self.n_sinks
+        G = H // Hkv
+        start = self.offset
+        if self.rotation is not None:
+            q = q @ self.rotation
+            k = k @ self.rotation
+        k16 = _round_f16(k).transpose(1, 0, 2)  # (Hkv, T, D)
+        v16 = _round_f16(v).transpose(1, 0, 2)  # (Hkv, T, Dv)
+        tail_start = start - self.n_tail  # block-aligned: the recent region starts a block
+        old_blocks = list(self.block_table)
+        old_first = self.first_position
+        recent_k, recent_v, recent_kq, recent_vq = self._append(k16, v16, dequantized=True)
+        R = recent_k.shape[1]
+        L_old = len(old_blocks) * B
+        if L_old:
+            k_old, v_old = self.pool.dequantize(old_blocks)  # (nb, Hkv, B, D)
+            k_old = k_old.transpose(1, 0, 2, 3).reshape(Hkv, L_old, D)
+            v_old = v_old.transpose(1, 0, 2, 3).reshape(Hkv, L_old, -1)
+            n_sink_old = int(np.clip(S - old_first, 0, L_old))
+            if n_sink_old:
+                k_old[:, :n_sink_old] = self.sink_k[:, old_first : old_first + n_sink_old]
+                v_old[:, :n_sink_old] = self.sink_v[:, old_first : old_first + n_sink_old]
+            keys = np.concatenate([k_old, recent_kq], axis=1)  # (Hkv, L, D)
+            values = np.concatenate([v_old, recent_vq], axis=1)
+        else:
+            keys, values = recent_kq, recent_vq
+        L = L_old + R
+        q4 = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3)  # (Hkv, G, T, D)
+        scores = np.matmul(q4.reshape(Hkv, G * T, D), keys.transpose(0, 2, 1))  # (Hkv, G*T, L)
+        s4 = scores.reshape(Hkv, G, T, L)
+        # Full precision where the stored copy differs: each query's own block (a block that
+        # filled up during this call) and sink positions inside the recent region.
+        fixes = []  # (query rows t0:t1, recent columns c0:c1), disjoint
+        for c0 in range(0, R - R % B, B):  # recent blocks that are now full (quantized)
+            t0 = min(T, max(0, tail_start + c0 - start))
+            t1 = min(T, max(0, tail_start + c0 + B - start))
+            if t0 < t1:  # the block's own queries
+                fixes.append((t0, t1, c0, c0 + B))
+            sinks_end = min(c0 + B, S - tail_start)
+            if sinks_end > c0 and t1 < T:  # sinks in this block, for the later queries
+                fixes.append((t1, T, c0, sinks_end))
+        for t0, t1, c0, c1 in fixes:
+            s4[:, :, t0:t1, L_old + c0 : L_old + c1] = np.matmul(
+                q4[:, :, t0:t1], recent_k[:, None, c0:c1].transpose(0, 1, 3, 2))
+        # Visible columns of query t: [lo, hi), causal and sliding-window.
+        q_pos = np.arange(start, start + T)
+        hi = q_pos - old_first + 1
+        lo = np.zeros(T, np.int64) if window is None else np.maximum(0, q_pos - window + 1 - old_first)
+        kv_codes.masked_softmax(scores, lo, hi, np.float32(scale))
+        if self.track_attention:  # key positions old_first .. start+T-1 are contiguous
+            end = start + T
+            if self.attn_mass.shape[0] < end:
+                grown = np.zeros(end, np.float32)
+                grown[: self.attn_mass.shape[0]] = self.attn_mass
+                self.attn_mass = grown
+            self.attn_mass[old_first:end] += scores.sum(axis=(0, 1))
+        # The fixed regions' weights go to the full-precision values instead of the stored ones
+        # (taken out of the big product rather than corrected by a difference, so that a
+        # float16 cache, where both copies are equal, gives bit-identical results).
+        p_fix = []
+        for t0, t1, c0, c1 in fixes:
+            p_fix.append(s4[:, :, t0:t1, L_old + c0 : L_old + c1].copy())
+            s4[:, :, t0:t1, L_old + c0 : L_old + c1] = 0
+        out = np.matmul(scores, values)  # (Hkv, G*T, Dv)
+        if fixes:
+            out4 = out.reshape(Hkv, G, T, -1)
+            for (t0, t1, c0, c1), p in zip(fixes, p_fix):
+                out4[:, :, t0:t1] += np.matmul(p, recent_v[:, None, c0:c1])
+        if not self.defer_release:
+            self._free_out_of_window()
+        Dv = out.shape[-1]
+        return out.reshape(Hkv, G, T, Dv).transpose(2, 0, 1, 3).reshape(T, H, Dv)
+
+    def _attend_one(self, q, k, v, scale, window):
+        """`attend` for one new token (decode) in one compiled call (`kv_codes.decode_attention`):
+        the same visibility rule as the general path, where a single query's own block is the
+        tail (plus the new token) and every earlier full block is seen quantized."""
+        _, H, D = q.shape
+        Hkv, B, S = self.pool.n_kv_heads, self.B, self.n_sinks
+        if self.rotation is not None:
+            q = q @ self.rotation
+            k = k @ self.rotation
+        start, n = self.offset, self.n_tail
+        self.tail_k[:, n] = k[0]  # float16-rounded as stored everywhere else
+        self.tail_v[:, n] = v[0]
+        self.tail_k[:, n] = self.tail_k[:, n].astype(np.float16)
+        self.tail_v[:, n] = self.tail_v[:, n].astype(np.float16)
+        if start < S:
+            self.sink_k[:, start] = self.tail_k[:, n]
+            self.sink_v[:, start] = self.tail_v[:, n]
+        old_first = self.first_position
+        n_sink_old = int(min(max(S - old_first, 0), len(self.block_table) * B))
+        first_visible = 0 if window is None else max(0, start - window + 1 - old_first)
+        if self.track_attention:  # key positions old_first .. start are contiguous
+            if self.attn_mass.shape[0] < start + 1:
+                grown = np.zeros(max(start + 1, 2 * self.attn_mass.shape[0]), np.float32)
+                grown[: self.attn_mass.shape[0]] = self.attn_mass
+                self.attn_mass = grown
+            mass = self.attn_mass[old_first : start + 1]
+        else:
+            mass = _NO_MASS
+        k_rows, v_rows = self._row_addresses()
+        out = np.empty((Hkv, H // Hkv, self.pool.value_dim), np.float32)
+        kv_codes.decode_attention(
+            k_rows, v_rows, self._k_layout, self._v_layout, B,
+            np.ascontiguousarray(q[0].reshape(Hkv, H // Hkv, D), dtype=np.float32), np.float32(scale),
+            self.sink_k, self.sink_v, old_first, n_sink_old, self.tail_k, self.tail_v, n + 1, first_visible, mass, out)
+        self.offset = start + 1
+        self.n_tail = n + 1
+        if self.n_tail == B:  # the block is full: later queries see it quantized
+            self.block_table.extend(self._store(self.tail_k, self.tail_v, 1))
+            self.n_tail = 0
+        if not self.defer_release:
+            self._free_out_of_window()
+        return out.reshape(1, H, -1)
+
+    def _row_addresses(self) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses of the K and V pool rows of the block table (`kv_codes.row_addresses`),
+        cached until the table or the pool's slabs change."""
+        pool = self.pool
+        key = (tuple(self.block_table), len(pool.k_slabs))
+        if self._rows_key != key:
+            self._rows = (kv_codes.row_addresses(pool.k_slabs, pool.slab_blocks, self.block_table),
+                          kv_codes.row_addresses(pool.v_slabs, pool.slab_blocks, self.block_table))
+            self._rows_key = key
+        return self._rows
+
     def _slab_runs(self, blocks: list[int]) -> list[tuple[int, np.ndarray, slice | np.ndarray]]:
         """pool.runs(blocks) with each run's token columns (a slice when the run's blocks are
         consecutive in the sequence, as they are when allocated in order); cached until the
@@ -304,6 +447,7 @@ class PagedLayerCache(LayerKVCache):
                 self.tail_v[:, :n_sink] = self.sink_v[:, s : s + n_sink]
         self.n_tail -= self.offset - target
         self.offset = target
+        self.attn_mass[target:] = 0  # the forgotten positions' attention is not the next tokens'
 
     def first_needed_block(self, n_blocks: int) -> int:
         """The oldest block a query right after n_blocks full blocks can see (window layers)."""
