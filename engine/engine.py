@@ -18,7 +18,7 @@ from .kv.cache import KVCache
 from .kv.config import KVConfig, parse_kv
 from .kv.formats import get_format
 from .kv.paged import ContextFull
-from .memory import PeakRSS
+from .memory import PeakRSS, release_free_heap
 from .models import load_model
 from .models.base import BaseModel
 from .sampling import Sampler, SamplingParams, StopStringMatcher
@@ -154,6 +154,7 @@ class Engine:
         if progress:
             progress("ready", 1.0)
         engine = cls(gguf, model, tokenizer, kv)
+        release_free_heap()  # building a large vocabulary's tokenizer leaves tens of MiB free
         log.info("loaded %s (%s, %d layers) in %.1f s", engine.name, model.architecture, model.n_layers,
                  time.perf_counter() - t0)
         engine.log_kv_scheme()
@@ -268,6 +269,7 @@ class Engine:
                 raise EngineError(str(exc)) from None
             if last:
                 logits = out[0]
+            release_free_heap()  # the chunk's temporaries: not resident while the next one runs
             if progress:
                 progress(min(start + len(chunk), len(ids)), len(ids))
         return logits

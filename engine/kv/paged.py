@@ -39,6 +39,8 @@ except ImportError:  # pragma: no cover
 # are used; larger prefill batches dequantize the old blocks once and use BLAS.
 KERNEL_MAX_QUERIES = 16
 _NO_MASS = np.zeros(0, np.float32)
+# Query rows per block of a batched attention's score matrix ((Hkv, G*rows, keys) float32).
+ATTEND_ROWS = 128
 
 
 def _round_f16(x: np.ndarray) -> np.ndarray:
@@ -280,10 +282,7 @@ class PagedLayerCache(LayerKVCache):
             values = np.concatenate([v_old, recent_vq], axis=1)
         else:
             keys, values = recent_kq, recent_vq
-        L = L_old + R
         q4 = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3)  # (Hkv, G, T, D)
-        scores = np.matmul(q4.reshape(Hkv, G * T, D), keys.transpose(0, 2, 1))  # (Hkv, G*T, L)
-        s4 = scores.reshape(Hkv, G, T, L)
         # Full precision where the stored copy differs: each query's own block (a block that
         # filled up during this call) and sink positions inside the recent region.
         fixes = []  # (query rows t0:t1, recent columns c0:c1), disjoint
@@ -295,37 +294,50 @@ class PagedLayerCache(LayerKVCache):
             sinks_end = min(c0 + B, S - tail_start)
             if sinks_end > c0 and t1 < T:  # sinks in this block, for the later queries
                 fixes.append((t1, T, c0, sinks_end))
-        for t0, t1, c0, c1 in fixes:
-            s4[:, :, t0:t1, L_old + c0 : L_old + c1] = np.matmul(
-                q4[:, :, t0:t1], recent_k[:, None, c0:c1].transpose(0, 1, 3, 2))
         # Visible columns of query t: [lo, hi), causal and sliding-window.
         q_pos = np.arange(start, start + T)
         hi = q_pos - old_first + 1
         lo = np.zeros(T, np.int64) if window is None else np.maximum(0, q_pos - window + 1 - old_first)
-        kv_codes.masked_softmax(scores, lo, hi, np.float32(scale))
-        if self.track_attention:  # key positions old_first .. start+T-1 are contiguous
-            end = start + T
-            if self.attn_mass.shape[0] < end:
-                grown = np.zeros(end, np.float32)
-                grown[: self.attn_mass.shape[0]] = self.attn_mass
-                self.attn_mass = grown
-            self.attn_mass[old_first:end] += scores.sum(axis=(0, 1))
-        # The fixed regions' weights go to the full-precision values instead of the stored ones
-        # (taken out of the big product rather than corrected by a difference, so that a
-        # float16 cache, where both copies are equal, gives bit-identical results).
-        p_fix = []
-        for t0, t1, c0, c1 in fixes:
-            p_fix.append(s4[:, :, t0:t1, L_old + c0 : L_old + c1].copy())
-            s4[:, :, t0:t1, L_old + c0 : L_old + c1] = 0
-        out = np.matmul(scores, values)  # (Hkv, G*T, Dv)
-        if fixes:
-            out4 = out.reshape(Hkv, G, T, -1)
-            for (t0, t1, c0, c1), p in zip(fixes, p_fix):
-                out4[:, :, t0:t1] += np.matmul(p, recent_v[:, None, c0:c1])
+        if self.track_attention and self.attn_mass.shape[0] < start + T:
+            grown = np.zeros(start + T, np.float32)
+            grown[: self.attn_mass.shape[0]] = self.attn_mass
+            self.attn_mass = grown
+        Dv = values.shape[-1]
+        out = np.empty((T, Hkv, G, Dv), np.float32)
+        # Rows in blocks of ATTEND_ROWS queries, each over the columns its rows can see: the score
+        # matrix stays small (peak memory at long contexts) and the causal triangle is skipped.
+        for r0 in range(0, T, ATTEND_ROWS):
+            r1 = min(T, r0 + ATTEND_ROWS)
+            n, c_lo, c_hi = r1 - r0, int(lo[r0]), int(hi[r1 - 1])
+            q_rows = q4[:, :, r0:r1]  # (Hkv, G, n, D)
+            scores = np.matmul(q_rows.reshape(Hkv, G * n, D), keys[:, c_lo:c_hi].transpose(0, 2, 1))
+            s4 = scores.reshape(Hkv, G, n, c_hi - c_lo)
+            row_fixes = []  # (rows a:b of this block, columns a..b of s4, recent columns c0:c1)
+            for t0, t1, c0, c1 in fixes:
+                a, b = max(t0, r0) - r0, min(t1, r1) - r0
+                c0, c1 = max(c0, c_lo - L_old), min(c1, c_hi - L_old)  # the columns in view
+                if a < b and c0 < c1:
+                    cols = (L_old + c0 - c_lo, L_old + c1 - c_lo)
+                    row_fixes.append((a, b, cols, c0, c1))
+                    s4[:, :, a:b, cols[0] : cols[1]] = np.matmul(
+                        q_rows[:, :, a:b], recent_k[:, None, c0:c1].transpose(0, 1, 3, 2))
+            kv_codes.masked_softmax(scores, lo[r0:r1] - c_lo, hi[r0:r1] - c_lo, np.float32(scale))
+            if self.track_attention:  # key positions old_first + c_lo .. are contiguous
+                self.attn_mass[old_first + c_lo : old_first + c_hi] += scores.sum(axis=(0, 1))
+            # The fixed regions' weights go to the full-precision values instead of the stored
+            # ones (taken out of the big product rather than corrected by a difference, so that a
+            # float16 cache, where both copies are equal, gives bit-identical results).
+            p_fix = []
+            for a, b, (x0, x1), _, _ in row_fixes:
+                p_fix.append(s4[:, :, a:b, x0:x1].copy())
+                s4[:, :, a:b, x0:x1] = 0
+            o = np.matmul(scores, values[:, c_lo:c_hi]).reshape(Hkv, G, n, Dv)
+            for (a, b, _, c0, c1), p in zip(row_fixes, p_fix):
+                o[:, :, a:b] += np.matmul(p, recent_v[:, None, c0:c1])
+            out[r0:r1] = o.transpose(2, 0, 1, 3)
         if not self.defer_release:
             self._free_out_of_window()
-        Dv = out.shape[-1]
-        return out.reshape(Hkv, G, T, Dv).transpose(2, 0, 1, 3).reshape(T, H, Dv)
+        return out.reshape(T, H, Dv)
 
     def _attend_one(self, q, k, v, scale, window):
         """`attend` for one new token (decode) in one compiled call (`kv_codes.decode_attention`):
