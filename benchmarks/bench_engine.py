@@ -1,87 +1,175 @@
-"""Prefill and decode speed of both catalog models at 512 and 4,096 tokens of context.
+"""The speed issue's measurements: prefill/decode against llama.cpp, and peak memory.
 
-    .venv/bin/python benchmarks/bench_engine.py [--models NAME ...] [--contexts 512 4096] [--decode 32]
+    .venv/bin/python benchmarks/bench_engine.py [--cases NAME ...] [--decode 16] [--rounds 3] [--no-rss]
 
-Prints tokens/s and, as ratios, how they compare with llama.cpp on this 2-core machine
-(llama-cpp-python 0.3.36, 2 threads, f16 KV: the figures recorded in the speed issue), or with
-llama.cpp measured in the same run when llama-cpp-python is importable.
+Cases (model, context, our KV, llama.cpp's KV):
+
+    smollm2-512       SmolLM2, 512 tokens, 16-bit KV ("full")  vs llama.cpp f16
+    smollm2-4096      SmolLM2, 4,096 tokens, 16-bit KV          vs llama.cpp f16
+    smollm2-4096-k4v4 SmolLM2, 4,096 tokens, K4V4               vs llama.cpp q4_0/q4_0 (flash attention)
+    gemma3-512        Gemma3, 512 tokens, 16-bit KV             vs llama.cpp f16
+
+Each case prefills the gpl-3 text (repeated to the context length) in one process, then decodes
+`rounds` windows of `decode` tokens (greedy) and reports the median window: this machine is shared
+and a single window can be several times slower than the next. llama.cpp (llama-cpp-python, 2
+threads) is measured in the same run right after ours when it is importable (it is never a
+dependency); the figures recorded in the speed issue are printed as a second ratio either way.
+
+Peak RSS (a fresh process per model): generating 256 tokens after a 4,096-token prompt with 16-bit
+KV, against the issue's bound GGUF file size + KV bytes + 350 MiB; both the generation's own peak
+(`GenerationStats.peak_rss_bytes`) and the whole process's (VmHWM, loading included: on the
+first start after the kernels changed it includes numba compiling them, hundreds of MiB).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from engine.catalog import resolve_model
-from engine.engine import Engine
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "texts" / "gpl-3.txt"
-# (model, context) → (prefill tok/s, decode tok/s) of llama.cpp, f16 KV, recorded on this machine.
-LLAMA_CPP_RECORDED = {
-    ("smollm2-135m-instruct", 512): (266.0, 113.0),
-    ("smollm2-135m-instruct", 4096): (199.0, 56.0),
+from engine.catalog import resolve_model  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+
+TEXT = ROOT / "tests" / "data" / "texts" / "gpl-3.txt"
+CASES = {  # name -> (catalog model, context, our KV spec, llama.cpp KV type)
+    "smollm2-512": ("smollm2-135m-instruct", 512, "full", "f16"),
+    "smollm2-4096": ("smollm2-135m-instruct", 4096, "full", "f16"),
+    "smollm2-4096-k4v4": ("smollm2-135m-instruct", 4096, "k4v4", "q4_0"),
+    "gemma3-512": ("gemma3-270m", 512, "full", "f16"),
 }
+# (model, context, llama.cpp KV) → (prefill, decode) tok/s recorded in the speed issue (2 threads)
+ISSUE_FIGURES = {
+    ("smollm2-135m-instruct", 512, "f16"): (266.0, 113.0),
+    ("smollm2-135m-instruct", 512, "q4_0"): (197.0, 82.0),
+    ("smollm2-135m-instruct", 4096, "f16"): (199.0, 56.0),
+}
+RSS_BUDGET_MIB = 350
 
 
-def prompt_ids(engine: Engine, n: int) -> list[int]:
-    ids = engine.encode_prompt(TEXT.read_text())
+def prompt_ids(tokenize, n: int) -> list[int]:
+    ids = list(tokenize(TEXT.read_text()))
     while len(ids) < n:  # repeat the document when it is shorter than the context asked for
         ids += ids
     return ids[:n]
 
 
-def measure_ours(engine: Engine, ids: list[int], n_decode: int) -> tuple[float, float]:
-    cache = engine.new_cache()
+def measure_ours(engine: Engine, ids: list[int], kv: str, n_decode: int, rounds: int) -> tuple[float, float]:
+    cache = engine.new_cache(kv)
     t0 = time.perf_counter()
     logits = engine.prefill(ids, cache)
     prefill = len(ids) / (time.perf_counter() - t0)
     token = int(np.argmax(logits))
-    t0 = time.perf_counter()
-    for _ in range(n_decode):
-        token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
-    decode = n_decode / (time.perf_counter() - t0)
-    return prefill, decode
+    windows = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
+        windows.append(n_decode / (time.perf_counter() - t0))
+        cache.trim(n_decode)  # every window decodes at the same context length
+    return prefill, float(np.median(windows))
 
 
-def measure_llama_cpp(path: Path, ids: list[int], n_decode: int) -> tuple[float, float] | None:
+def measure_llama_cpp(path: Path, ids: list[int], kv: str, n_decode: int, rounds: int):
     try:
-        from llama_cpp import Llama  # optional: never a dependency
+        import llama_cpp  # optional: never a dependency
     except ImportError:
         return None
-    llm = Llama(model_path=str(path), n_ctx=len(ids) + n_decode + 8, n_threads=2, verbose=False)
+    kwargs = {}
+    if kv != "f16":  # quantized V needs flash attention in llama.cpp
+        kind = {"q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}[kv]
+        kwargs = dict(type_k=kind, type_v=kind, flash_attn=True)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + n_decode * rounds + 8, n_threads=2,
+                          n_batch=512, verbose=False, **kwargs)
     t0 = time.perf_counter()
     llm.eval(ids)
     prefill = len(ids) / (time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    for _ in range(n_decode):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-    return prefill, n_decode / (time.perf_counter() - t0)
+    windows = []
+    for r in range(rounds):  # decode speed does not depend on which token: feed the prompt's
+        t0 = time.perf_counter()
+        for i in range(n_decode):
+            llm.eval([ids[r * n_decode + i]])
+        windows.append(n_decode / (time.perf_counter() - t0))
+    del llm
+    return prefill, float(np.median(windows))
+
+
+def vm_hwm() -> int:
+    """This process's peak resident size in bytes: Linux's VmHWM (ru_maxrss would also count the
+    parent's peak, which a child inherits across fork and exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: KiB (bytes on macOS)
+
+
+def rss_worker(model: str) -> None:
+    """Runs in a fresh process: 256 tokens after a 4,096-token prompt, 16-bit KV; prints JSON."""
+    path = resolve_model(model, fetch_missing=True)
+    engine = Engine.load(path, kv="full")
+    ids = prompt_ids(engine.encode_prompt, 4096)
+    result = engine.generate(ids, max_tokens=256, stop=[])
+    process_peak = vm_hwm()
+    print(json.dumps({"model": model, "file": os.path.getsize(path), "kv_bytes": result.stats.kv_capacity_bytes,
+                      "peak_rss": result.stats.peak_rss_bytes, "process_peak": process_peak,
+                      "generated": result.stats.generated_tokens}))
+
+
+def ratio(ours: float, theirs: float | None) -> str:
+    return f"{ours / theirs:.2f}x" if theirs else "n/a"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma3-270m"])
-    parser.add_argument("--contexts", nargs="+", type=int, default=[512, 4096])
-    parser.add_argument("--decode", type=int, default=32, help="tokens decoded after the prompt")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--decode", type=int, default=16, help="tokens per decode window")
+    parser.add_argument("--rounds", type=int, default=3, help="decode windows (median reported)")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs")
+    parser.add_argument("--rss-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rss_worker:
+        rss_worker(args.rss_worker)
+        return
 
-    print(f"{'model':24s} {'context':>7s} {'prefill tok/s':>14s} {'decode tok/s':>13s}   vs llama.cpp (prefill, decode)")
-    for name in args.models:
-        path = resolve_model(name, fetch_missing=True)
-        engine = Engine.load(path, kv="full")  # llama.cpp's figures are with its f16 cache
-        for n in args.contexts:
-            ids = prompt_ids(engine, n)
-            prefill, decode = measure_ours(engine, ids, args.decode)
-            baseline = measure_llama_cpp(path, ids, args.decode)
-            source = "same run"
-            if baseline is None:
-                baseline, source = LLAMA_CPP_RECORDED.get((name, n)), "recorded"
-            ratio = (f"{prefill / baseline[0]:.2f}x, {decode / baseline[1]:.2f}x ({source})"
-                     if baseline else "n/a (no llama.cpp figure)")
-            print(f"{name:24s} {n:7d} {prefill:14.1f} {decode:13.1f}   {ratio}", flush=True)
+    print("| case | ours prefill | ours decode | llama.cpp prefill | llama.cpp decode | "
+          "prefill ratio (same run / issue) | decode ratio (same run / issue) |")
+    print("|---|---|---|---|---|---|---|")
+    engines: dict[str, Engine] = {}
+    for name in args.cases:
+        model, context, kv, llama_kv = CASES[name]
+        path = resolve_model(model, fetch_missing=True)
+        engine = engines.get(model) or engines.setdefault(model, Engine.load(path, kv="full"))
+        ids = prompt_ids(engine.encode_prompt, context)
+        prefill, decode = measure_ours(engine, ids, kv, args.decode, args.rounds)
+        same = measure_llama_cpp(path, ids, llama_kv, args.decode, args.rounds)
+        issue = ISSUE_FIGURES.get((model, context, llama_kv))
+        lp, ld = same if same else (None, None)
+        print(f"| {name} | {prefill:.1f} | {decode:.1f} | {lp or 0:.1f} | {ld or 0:.1f} | "
+              f"{ratio(prefill, lp)} / {ratio(prefill, issue and issue[0])} | "
+              f"{ratio(decode, ld)} / {ratio(decode, issue and issue[1])} |", flush=True)
+    if args.no_rss:
+        return
+    print()
+    print("| model | peak RSS generating | process peak | bound (file + KV + 350 MiB) | within |")
+    print("|---|---|---|---|---|")
+    for model in sorted({CASES[c][0] for c in args.cases}):
+        out = subprocess.run([sys.executable, __file__, "--rss-worker", model], capture_output=True, text=True,
+                             check=True).stdout.strip().splitlines()[-1]
+        r = json.loads(out)
+        bound = r["file"] + r["kv_bytes"] + RSS_BUDGET_MIB * 2**20
+        within = "yes" if max(r["peak_rss"], r["process_peak"]) <= bound else "NO"
+        print(f"| {model} | {r['peak_rss'] / 2**20:.0f} MiB | {r['process_peak'] / 2**20:.0f} MiB | "
+              f"{r['file'] / 2**20:.0f} + {r['kv_bytes'] / 2**20:.0f} + {RSS_BUDGET_MIB} = {bound / 2**20:.0f} MiB | "
+              f"{within} |", flush=True)
 
 
 if __name__ == "__main__":

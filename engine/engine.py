@@ -17,7 +17,7 @@ from .gguf_file import GGUFError, GGUFFile
 from .kv.cache import KVCache
 from .kv.config import KVConfig, parse_kv
 from .kv.formats import get_format
-from .kv.paged import ContextFull
+from .kv.paged import ContextFull, warm_up_attention
 from .memory import PeakRSS, release_free_heap
 from .models import load_model
 from .models.base import BaseModel
@@ -151,6 +151,9 @@ class Engine:
         if progress:
             progress("loading weights", 0.3)
         model = load_model(gguf)
+        if progress:
+            progress("preparing kernels", 0.9)
+        warm_up_attention()
         if progress:
             progress("ready", 1.0)
         engine = cls(gguf, model, tokenizer, kv)

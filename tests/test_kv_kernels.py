@@ -224,3 +224,33 @@ def test_f16_kernels_reject_bad_pools():
         attention_scores(F16, pool[:, :-2], np.array([0]), q, 32)
     with pytest.raises(ValueError):
         attention_scores(F16, pool.view(np.float16), np.array([0]), q, 32)
+
+
+# ---- softmax of the attention paths ---------------------------------------------------------------
+
+
+def test_masked_softmax_matches_numpy_within_float_rounding():
+    """The compiled row softmax (its own exp) against numpy's exp, with masked ranges, sliding
+    windows, scores far below the maximum (exp underflow) and one-column rows."""
+    from engine.kernels.kv_codes import masked_softmax
+
+    rng = np.random.default_rng(5)
+    Hkv, G, T, L = 2, 3, 7, 40
+    s = (rng.standard_normal((Hkv, G * T, L)) * 30).astype(np.float32)
+    s[0, 0, 5] = -1e4  # ~exp(-1250): zero in numpy, the smallest normal float32 here
+    lo = np.array([0, 0, 3, 10, 20, 38, 39])
+    hi = np.array([1, 12, 20, 30, 39, 40, 40])
+    got = s.copy()
+    masked_softmax(got, lo, hi, np.float32(0.125))
+    ref = np.zeros_like(s)
+    for m in range(G * T):
+        t = m % T
+        x = s[:, m, lo[t] : hi[t]].astype(np.float64) * 0.125
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        ref[:, m, lo[t] : hi[t]] = e / e.sum(axis=-1, keepdims=True)
+    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=1e-30)
+    assert (got[:, :, :][ref == 0] <= 2e-38).all()  # masked columns exactly 0, underflow ~0
+    for m in range(G * T):
+        t = m % T
+        assert not got[:, m, : lo[t]].any() and not got[:, m, hi[t] :].any()
+        np.testing.assert_allclose(got[:, m].sum(axis=-1), 1.0, rtol=1e-6)

@@ -123,3 +123,19 @@ def test_weight_store_reads_block_types_row_by_row(tmp_path, qtype):
     assert lin.weight.shape == (rows, cols)
     np.testing.assert_array_equal(lin.weight, expected)
     assert np.isfinite(lin.weight).all()
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 48, 256])
+def test_rope_of_one_token_is_the_numpy_rotation_bit_for_bit(neox, head_dim):
+    """Decode rotates its single token in one compiled call; it must equal the batched numpy
+    rotation exactly, or decode would drift from prefill."""
+    from engine.models import base
+
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((1, 9, head_dim)) * 4).astype(np.float32)
+    cos, sin = base.rope_tables(np.array([4321]), head_dim, 10000.0)
+    fast = base.apply_rope(x, cos, sin, neox)
+    two = base.apply_rope(np.concatenate([x, x]), np.concatenate([cos, cos]), np.concatenate([sin, sin]), neox)
+    np.testing.assert_array_equal(fast[0], two[0])  # two rows take the numpy path
+    assert not np.array_equal(fast, x)
