@@ -505,6 +505,23 @@ def _exp_le0(x):
 
 
 @njit(cache=True, inline="always", fastmath=_FAST)
+def _softmax_in_place(x, scale):
+    """x (n >= 1,) float32 scores -> softmax(scale * x), in place."""
+    top = -np.inf
+    for c in range(x.shape[0]):
+        top = max(top, x[c])
+    top *= scale
+    total = np.float32(0.0)
+    for c in range(x.shape[0]):
+        e = _exp_le0(x[c] * scale - top)
+        x[c] = e
+        total += e
+    inv = np.float32(1.0) / total
+    for c in range(x.shape[0]):
+        x[c] *= inv
+
+
+@njit(cache=True, inline="always", fastmath=_FAST)
 def _scores_q4_channel(tile, qe, qo, bias, B, D, s_h, col0, g0, n_g):
     """4-bit keys quantized per channel, read straight from their nibbles, for up to 4 queries at
     once (each token's codes converted once for all of them); tile (B, D/2) uint8, C-contiguous
@@ -555,52 +572,35 @@ def _values_q4_token(tile, p_h, sd, zd, group, B, Dv, col0, g0, n_g, acc_e, acc_
         p3 = p_h[g0 + 3, col0 + t] if n_g > 3 else zero
         if p0 == 0.0 and p1 == 0.0 and p2 == 0.0 and p3 == 0.0:  # masked or sink tokens
             continue
-        if n_grp == 1:  # one group per token row (the V4 default): whole, contiguous rows
-            sc = sd[t]
-            z = zd[t]
-            w0, w1, w2, w3 = p0 * sc, p1 * sc, p2 * sc, p3 * sc
-            z0, z1, z2, z3 = p0 * z, p1 * z, p2 * z, p3 * z
-            e0, e1, e2, e3 = acc_e[0], acc_e[1], acc_e[2], acc_e[3]
-            o0, o1, o2, o3 = acc_o[0], acc_o[1], acc_o[2], acc_o[3]
-            for i in range(D2):
-                b = np.int32(src[i])
-                lo = np.float32(b & _I15)
-                hi = np.float32(b >> _I4)
-                e0[i] += w0 * lo + z0
-                o0[i] += w0 * hi + z0
-                e1[i] += w1 * lo + z1
-                o1[i] += w1 * hi + z1
-                e2[i] += w2 * lo + z2
-                o2[i] += w2 * hi + z2
-                e3[i] += w3 * lo + z3
-                o3[i] += w3 * hi + z3
-            continue
         for k in range(n_grp):
             sc = sd[t * n_grp + k]
             z = zd[t * n_grp + k]
-            w0, w1, w2, w3 = p0 * sc, p1 * sc, p2 * sc, p3 * sc
-            z0, z1, z2, z3 = p0 * z, p1 * z, p2 * z, p3 * z
-            sk = src[k * G2 : (k + 1) * G2]
-            e0 = acc_e[0, k * G2 : (k + 1) * G2]
-            e1 = acc_e[1, k * G2 : (k + 1) * G2]
-            e2 = acc_e[2, k * G2 : (k + 1) * G2]
-            e3 = acc_e[3, k * G2 : (k + 1) * G2]
-            o0 = acc_o[0, k * G2 : (k + 1) * G2]
-            o1 = acc_o[1, k * G2 : (k + 1) * G2]
-            o2 = acc_o[2, k * G2 : (k + 1) * G2]
-            o3 = acc_o[3, k * G2 : (k + 1) * G2]
-            for i in range(G2):
-                b = np.int32(sk[i])
-                lo = np.float32(b & _I15)
-                hi = np.float32(b >> _I4)
-                e0[i] += w0 * lo + z0
-                o0[i] += w0 * hi + z0
-                e1[i] += w1 * lo + z1
-                o1[i] += w1 * hi + z1
-                e2[i] += w2 * lo + z2
-                o2[i] += w2 * hi + z2
-                e3[i] += w3 * lo + z3
-                o3[i] += w3 * hi + z3
+            if n_grp == 1:  # one group per token row (the V4 default): whole rows, typed contiguous
+                _nibble_axpy4(src, p0 * sc, p1 * sc, p2 * sc, p3 * sc, p0 * z, p1 * z, p2 * z, p3 * z,
+                              acc_e[0], acc_e[1], acc_e[2], acc_e[3], acc_o[0], acc_o[1], acc_o[2], acc_o[3])
+            else:
+                a, b = k * G2, (k + 1) * G2
+                _nibble_axpy4(src[a:b], p0 * sc, p1 * sc, p2 * sc, p3 * sc, p0 * z, p1 * z, p2 * z, p3 * z,
+                              acc_e[0, a:b], acc_e[1, a:b], acc_e[2, a:b], acc_e[3, a:b],
+                              acc_o[0, a:b], acc_o[1, a:b], acc_o[2, a:b], acc_o[3, a:b])
+
+
+@njit(cache=True, inline="always", fastmath=_FAST)
+def _nibble_axpy4(src, w0, w1, w2, w3, z0, z1, z2, z3, e0, e1, e2, e3, o0, o1, o2, o3):
+    """For k = 0..3: e_k[i] += w_k*lo(src[i]) + z_k, o_k[i] += w_k*hi(src[i]) + z_k (the four
+    queries' weighted sums of one token's 4-bit values: channel 2i is byte i's low nibble)."""
+    for i in range(src.shape[0]):
+        b = np.int32(src[i])
+        lo = np.float32(b & _I15)
+        hi = np.float32(b >> _I4)
+        e0[i] += w0 * lo + z0
+        o0[i] += w0 * hi + z0
+        e1[i] += w1 * lo + z1
+        o1[i] += w1 * hi + z1
+        e2[i] += w2 * lo + z2
+        o2[i] += w2 * hi + z2
+        e3[i] += w3 * lo + z3
+        o3[i] += w3 * hi + z3
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
@@ -741,19 +741,7 @@ def _softmax_and_full_precision(q, scale, sink_k, sink_v, sink0, n_sink_old, rec
                 s[h, g, L_old + t] = acc
     for h in range(Hkv):  # masked softmax over the visible columns first_visible .. L-1
         for g in range(G):
-            sg = s[h, g, first_visible:L]
-            top = -np.inf
-            for c in range(sg.shape[0]):
-                top = max(top, sg[c])
-            top *= scale
-            total = np.float32(0.0)
-            for c in range(sg.shape[0]):
-                e = _exp_le0(sg[c] * scale - top)
-                sg[c] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for c in range(sg.shape[0]):
-                sg[c] *= inv
+            _softmax_in_place(s[h, g, first_visible:L], scale)
             for c in range(first_visible):
                 s[h, g, c] = 0.0
     if mass.shape[0]:
@@ -824,19 +812,7 @@ def masked_softmax(s, lo, hi, scale):
             t = m % T
             row = s[h, m]
             a, b = lo[t], hi[t]
-            sg = row[a:b]
-            top = -np.inf
-            for c in range(sg.shape[0]):
-                top = max(top, sg[c])
-            top *= scale
-            total = np.float32(0.0)
-            for c in range(sg.shape[0]):
-                e = _exp_le0(sg[c] * scale - top)
-                sg[c] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for c in range(sg.shape[0]):
-                sg[c] *= inv
+            _softmax_in_place(row[a:b], scale)
             row[:a] = 0.0
             row[b:] = 0.0
 

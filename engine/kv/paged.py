@@ -171,11 +171,7 @@ class PagedLayerCache(LayerKVCache):
         G = H // Hkv
         B, S = self.B, self.n_sinks
         start = self.offset
-        if self.rotation is not None:
-            q = q @ self.rotation
-            k = k @ self.rotation
-        k16 = _round_f16(k).transpose(1, 0, 2)  # (Hkv, T, D)
-        v16 = _round_f16(v).transpose(1, 0, 2)  # (Hkv, T, Dv)
+        q, k16, v16 = self._as_stored(q, k, v)
         tail_start = start - self.n_tail
         old_blocks = list(self.block_table)
         old_first = self.first_position
@@ -250,6 +246,14 @@ class PagedLayerCache(LayerKVCache):
         Dv = out.shape[-1]
         return out.reshape(Hkv, G, T, Dv).transpose(2, 0, 1, 3).reshape(T, H, Dv)
 
+    def _as_stored(self, q, k, v):
+        """New tokens as the cache stores them: (q rotated like the keys, k16 (Hkv, T, D), v16
+        (Hkv, T, Dv)), keys rotated when the layout says so, both rounded to float16."""
+        if self.rotation is not None:
+            q = q @ self.rotation
+            k = k @ self.rotation
+        return q, _round_f16(k).transpose(1, 0, 2), _round_f16(v).transpose(1, 0, 2)
+
     def _attend_many(self, q, k, v, scale, window):
         """`attend` for a batch of new tokens (prefill, teacher forcing): one BLAS product over
         the keys as stored (old blocks and the blocks that fill up now, dequantized), then the
@@ -259,11 +263,7 @@ class PagedLayerCache(LayerKVCache):
         Hkv, B, S = self.pool.n_kv_heads, self.B, self.n_sinks
         G = H // Hkv
         start = self.offset
-        if self.rotation is not None:
-            q = q @ self.rotation
-            k = k @ self.rotation
-        k16 = _round_f16(k).transpose(1, 0, 2)  # (Hkv, T, D)
-        v16 = _round_f16(v).transpose(1, 0, 2)  # (Hkv, T, Dv)
+        q, k16, v16 = self._as_stored(q, k, v)
         tail_start = start - self.n_tail  # block-aligned: the recent region starts a block
         old_blocks = list(self.block_table)
         old_first = self.first_position
