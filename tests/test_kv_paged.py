@@ -685,6 +685,27 @@ def test_memory_error_leaves_the_layers_consistent(gemma6):
     assert len(offsets) == 1, [layer.offset for layer in cache.layers]
 
 
+@pytest.mark.parametrize("use_kernels", [False, True] if HAVE_NUMBA else [False])
+def test_decode_into_a_full_pool_raises_before_changing_the_layer(use_kernels):
+    """A decoded token that completes a block when the pool has no room: MemoryError, and the
+    layer still holds exactly what it held (the next attempt, with room, gives the same answer)."""
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((8, n, 64)).astype(np.float32) for n in (4, 2, 2))
+    cache = PagedKVCache(KVConfig.parse("k4v4,bs=4"), n_layers=1, n_kv_heads=2, head_dim=64, max_tokens=4,
+                         use_kernels=use_kernels)
+    layer = cache[0]
+    layer.attend(q[:7], k[:7], v[:7], scale=0.125, window=None)  # one full block, 3 in the tail
+    before = (layer.offset, layer.n_tail, list(layer.block_table), layer.tail_k.copy())
+    with pytest.raises(MemoryError):
+        layer.attend(q[7:], k[7:], v[7:], scale=0.125, window=None)
+    assert (layer.offset, layer.n_tail, list(layer.block_table)) == before[:3]
+    np.testing.assert_array_equal(layer.tail_k[:, :3], before[3][:, :3])
+    layer.pool.max_blocks = 2
+    out = layer.attend(q[7:], k[7:], v[7:], scale=0.125, window=None)
+    ref = PagedKVCache(KVConfig.parse("k4v4,bs=4"), n_layers=1, n_kv_heads=2, head_dim=64, use_kernels=use_kernels)
+    np.testing.assert_allclose(out, ref[0].attend(q, k, v, scale=0.125, window=None)[7:], atol=2e-5, rtol=0)
+
+
 # ---- memory of the real models -----------------------------------------------------------------------
 
 N_REAL = 1024

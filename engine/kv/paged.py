@@ -368,6 +368,9 @@ class PagedLayerCache(LayerKVCache):
         else:
             mass = _NO_MASS
         k_rows, v_rows = self._row_addresses()
+        # The block the new token completes is quantized first, so that a full pool raises
+        # before anything changes (it joins the table after the step: this query sees it whole).
+        filled = self._store(self.tail_k, self.tail_v, 1) if n + 1 == B else []
         out = np.empty((Hkv, H // Hkv, self.pool.value_dim), np.float32)
         kv_codes.decode_attention(
             k_rows, v_rows, self._k_layout, self._v_layout, B,
@@ -375,8 +378,8 @@ class PagedLayerCache(LayerKVCache):
             self.sink_k, self.sink_v, old_first, n_sink_old, self.tail_k, self.tail_v, n + 1, first_visible, mass, out)
         self.offset = start + 1
         self.n_tail = n + 1
-        if self.n_tail == B:  # the block is full: later queries see it quantized
-            self.block_table.extend(self._store(self.tail_k, self.tail_v, 1))
+        if filled:  # later queries see the full block quantized
+            self.block_table.extend(filled)
             self.n_tail = 0
         if not self.defer_release:
             self._free_out_of_window()
