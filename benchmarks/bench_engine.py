@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 from engine.catalog import resolve_model  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
-TEXT = ROOT / "tests" / "data" / "texts" / "gpl-3.txt"
+from bench_common import prefill_and_decode, prompt_ids  # noqa: E402  (benchmarks/, the script's folder)
+
 CASES = {  # name -> (catalog model, context, our KV spec, llama.cpp KV type)
     "smollm2-512": ("smollm2-135m-instruct", 512, "full", "f16"),
     "smollm2-4096": ("smollm2-135m-instruct", 4096, "full", "f16"),
@@ -59,49 +60,10 @@ ISSUE_FIGURES = {
 RSS_BUDGET_MIB = 350
 
 
-def prompt_ids(tokenize, n: int) -> list[int]:
-    ids = list(tokenize(TEXT.read_text()))
-    while len(ids) < n:  # repeat the document when it is shorter than the context asked for
-        ids += ids
-    return ids[:n]
-
-
 def measure_ours(engine: Engine, ids: list[int], kv: str, n_decode: int, rounds: int) -> tuple[float, float]:
-    cache = engine.new_cache(kv)
-    t0 = time.perf_counter()
-    logits = engine.prefill(ids, cache)
-    prefill = len(ids) / (time.perf_counter() - t0)
-    token = int(np.argmax(logits))
-    windows = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n_decode):
-            token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
-        windows.append(n_decode / (time.perf_counter() - t0))
-        cache.trim(n_decode)  # every window decodes at the same context length
-    return prefill, float(np.median(windows))
-
-
-def compare_caches(engine: Engine, ids: list[int], specs: list[str], n_decode: int, rounds: int) -> dict:
-    """Decode tok/s of several KV specs over the same prompt, measured in alternating windows
-    (spec A, spec B, spec A, ...) so that load from other processes hits them alike; medians."""
-    state = {}
-    for spec in specs:
-        cache = engine.new_cache(spec)
-        state[spec] = [cache, int(np.argmax(engine.prefill(ids, cache)))]
-    windows: dict[str, list[float]] = {spec: [] for spec in specs}
-    for _ in range(rounds):
-        for spec in specs:
-            cache, token = state[spec]
-            t0 = time.perf_counter()
-            for _ in range(n_decode):
-                token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
-            windows[spec].append(n_decode / (time.perf_counter() - t0))
-            cache.trim(n_decode)
-            state[spec][1] = token
-    for spec in specs:
-        state[spec][0].release()
-    return {spec: float(np.median(w)) for spec, w in windows.items()}
+    prefill, decode, caches = prefill_and_decode(engine, ids, [kv], n_decode, rounds)
+    caches[kv].release()
+    return prefill[kv], float(np.median(decode[kv]))
 
 
 def measure_llama_cpp(path: Path, ids: list[int], kv: str, n_decode: int, rounds: int):
@@ -141,7 +103,7 @@ def rss_worker(model: str) -> None:
     """Runs in a fresh process: 256 tokens after a 4,096-token prompt, 16-bit KV; prints JSON."""
     path = resolve_model(model, fetch_missing=True)
     engine = Engine.load(path, kv="full")
-    ids = prompt_ids(engine.encode_prompt, 4096)
+    ids = prompt_ids(engine, 4096)
     result = engine.generate(ids, max_tokens=256, stop=[])
     process_peak = vm_hwm()
     print(json.dumps({"model": model, "file": os.path.getsize(path), "kv_bytes": result.stats.kv_capacity_bytes,
@@ -173,7 +135,7 @@ def main() -> None:
         model, context, kv, llama_kv = CASES[name]
         path = resolve_model(model, fetch_missing=True)
         engine = engines.get(model) or engines.setdefault(model, Engine.load(path, kv="full"))
-        ids = prompt_ids(engine.encode_prompt, context)
+        ids = prompt_ids(engine, context)
         prefill, decode = measure_ours(engine, ids, kv, args.decode, args.rounds)
         same = measure_llama_cpp(path, ids, llama_kv, args.decode, args.rounds)
         issue = ISSUE_FIGURES.get((model, context, llama_kv))
@@ -184,8 +146,11 @@ def main() -> None:
     if "smollm2-4096-k4v4" in args.cases:  # the issue's "K4V4 >= our own 16-bit at 4,096 tokens"
         model, context = CASES["smollm2-4096-k4v4"][:2]
         engine = engines[model]
-        medians = compare_caches(engine, prompt_ids(engine.encode_prompt, context), ["full", "k4v4"], args.decode,
-                                 2 * args.rounds + 1)
+        _, decode, caches = prefill_and_decode(engine, prompt_ids(engine, context), ["full", "k4v4"], args.decode,
+                                               2 * args.rounds + 1)
+        for cache in caches.values():
+            cache.release()
+        medians = {spec: float(np.median(w)) for spec, w in decode.items()}
         print(f"\nour caches at {context:,} tokens, alternating windows: 16-bit {medians['full']:.1f} tok/s, "
               f"K4V4 {medians['k4v4']:.1f} tok/s ({medians['k4v4'] / medians['full']:.2f}x)", flush=True)
     if args.no_rss:

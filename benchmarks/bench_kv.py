@@ -10,8 +10,6 @@ speed:   SmolLM2 prefill of --ctx tokens and decode after it, 16-bit KV vs K4V4 
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
 
 import numpy as np
 
@@ -19,7 +17,8 @@ from engine.catalog import resolve_model
 from engine.engine import Engine
 from engine.evaluate import evaluate_kv
 
-TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "texts" / "gpl-3.txt"
+from bench_common import TEXT, prefill_and_decode, prompt_ids  # benchmarks/, the script's folder
+
 # ../shared/reference/README.md: llama.cpp's mean KL vs its f16 KV, same text and length.
 LLAMA_CPP = {
     "smollm2-135m-instruct": {"k8v8": ("q8_0/q8_0", 0.0047), "k6v4": ("q8_0/q4_0", 0.0119), "k4v4": ("q4_0/q4_0", 0.0749)},
@@ -51,26 +50,8 @@ def speed(ctx: int, n_decode: int, specs: list[str], rounds: int = 4) -> None:
     load from other processes hits all specs alike; medians are printed."""
     name = "smollm2-135m-instruct"
     engine = Engine.load(resolve_model(name, fetch_missing=True))
-    ids = engine.encode_prompt(TEXT.read_text())
-    while len(ids) < ctx:
-        ids += ids
-    ids = ids[:ctx]
     print(f"== speed: {name}, {ctx:,}-token prompt, then {rounds} interleaved rounds of {n_decode} decoded tokens")
-    caches, prefill, tokens = {}, {}, {}
-    for spec in specs:
-        cache = engine.new_cache(spec)
-        t0 = time.perf_counter()
-        tokens[spec] = int(np.argmax(engine.prefill(ids, cache)))
-        prefill[spec] = ctx / (time.perf_counter() - t0)
-        caches[spec] = cache
-    decode = {spec: [] for spec in specs}
-    for _ in range(rounds):
-        for spec in specs:
-            token, cache = tokens[spec], caches[spec]
-            t0 = time.perf_counter()
-            for _ in range(n_decode):
-                token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
-            decode[spec].append(n_decode / (time.perf_counter() - t0))
+    prefill, decode, caches = prefill_and_decode(engine, prompt_ids(engine, ctx), specs, n_decode, rounds)
     base = specs[0]
     d0 = float(np.median(decode[base]))
     for spec in specs:

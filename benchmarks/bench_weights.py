@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_common import prompt_ids  # benchmarks/, the script's folder
+
 ROOT = Path(__file__).resolve().parents[1]
-TEXT = ROOT / "tests" / "data" / "texts" / "gpl-3.txt"
 # (model, context) → (prefill tok/s, decode tok/s) of llama.cpp, f16 KV, recorded on this machine.
 LLAMA_CPP_RECORDED = {
     ("smollm2-135m-instruct", 512): (266.0, 113.0),
@@ -61,10 +62,7 @@ def worker(model: str, context: int, n_decode: int) -> dict:
     engine = Engine.load(path, kv="full")
     load_s = time.perf_counter() - t0
     rss_load = proc.memory_info().rss
-    ids = engine.encode_prompt(TEXT.read_text())
-    while len(ids) < context:
-        ids += ids
-    ids = ids[:context]
+    ids = prompt_ids(engine, context)
     cache = engine.new_cache()
     t0 = time.perf_counter()
     logits = engine.prefill(ids, cache)

@@ -1,0 +1,45 @@
+"""What the benchmarks share: the gpl-3 prompt of a given length, and prefill + decode timing of
+several KV caches in alternating windows (one spec after the other, round by round), so that load
+from other processes on this shared machine hits every spec alike."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "texts" / "gpl-3.txt"
+
+
+def prompt_ids(engine, n: int) -> list[int]:
+    """The first n prompt tokens of gpl-3, the document repeated when it is shorter."""
+    ids = list(engine.encode_prompt(TEXT.read_text()))
+    while len(ids) < n:
+        ids += ids
+    return ids[:n]
+
+
+def prefill_and_decode(engine, ids: list[int], specs: list[str], n_decode: int, rounds: int):
+    """Prefill `ids` into a new cache per KV spec, then decode greedily in `rounds` rounds of one
+    `n_decode`-token window per spec; each window is trimmed away after it, so every window runs
+    at the same context length. Returns ({spec: prefill tok/s}, {spec: [decode tok/s per window]},
+    {spec: cache}) — the caches are the caller's to release."""
+    caches, tokens, prefill = {}, {}, {}
+    for spec in specs:
+        cache = engine.new_cache(spec)
+        t0 = time.perf_counter()
+        tokens[spec] = int(np.argmax(engine.prefill(ids, cache)))
+        prefill[spec] = len(ids) / (time.perf_counter() - t0)
+        caches[spec] = cache
+    decode = {spec: [] for spec in specs}
+    for _ in range(rounds):
+        for spec in specs:
+            token, cache = tokens[spec], caches[spec]
+            t0 = time.perf_counter()
+            for _ in range(n_decode):
+                token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
+            decode[spec].append(n_decode / (time.perf_counter() - t0))
+            cache.trim(n_decode)
+            tokens[spec] = token
+    return prefill, decode, caches
