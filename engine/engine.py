@@ -8,7 +8,6 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import numpy as np

@@ -558,9 +558,9 @@ def _scores_q4_channel(tile, qe, qo, bias, B, D, s_h, col0, g0, n_g):
 @njit(cache=True, inline="always", fastmath=_FAST)
 def _values_q4_token(tile, p_h, sd, zd, group, B, Dv, col0, g0, n_g, acc_e, acc_o):
     """4-bit values quantized per token in groups along Dv, read from their nibbles, for up to 4
-    queries at once; tile (B, Dv/2) uint8, C-contiguous: for k < n_g, acc_e[k, i] += Σ_t p_h[g0 + k, col0 + t]*v[t, 2i] (acc_o:
-    channel 2i+1), v = code*scale + offset; acc_e, acc_o (4, Dv/2)."""
-    D2 = Dv // 2
+    queries at once; tile (B, Dv/2) uint8, C-contiguous: for k < n_g,
+    acc_e[k, i] += Σ_t p_h[g0 + k, col0 + t]*v[t, 2i] (acc_o: channel 2i+1), v = code*scale + offset;
+    acc_e, acc_o (4, Dv/2)."""
     G2 = group // 2
     n_grp = Dv // group
     zero = np.float32(0.0)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import grouped_attention
 from .cache import KVCache, LayerKVCache
 from .config import KVConfig
 from .formats import get_format, hadamard
@@ -176,7 +175,6 @@ class PagedLayerCache(LayerKVCache):
         old_blocks = list(self.block_table)
         old_first = self.first_position
         recent_k, recent_v, recent_kq, recent_vq = self._append(k16, v16, dequantized=True)
-        R = recent_k.shape[1]
 
         q_pos = np.arange(start, start + T)
         qg = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * T, D)
@@ -349,10 +347,8 @@ class PagedLayerCache(LayerKVCache):
             q = q @ self.rotation
             k = k @ self.rotation
         start, n = self.offset, self.n_tail
-        self.tail_k[:, n] = k[0]  # float16-rounded as stored everywhere else
-        self.tail_v[:, n] = v[0]
-        self.tail_k[:, n] = self.tail_k[:, n].astype(np.float16)
-        self.tail_v[:, n] = self.tail_v[:, n].astype(np.float16)
+        self.tail_k[:, n] = k[0].astype(np.float16)  # float16-rounded, as stored everywhere else
+        self.tail_v[:, n] = v[0].astype(np.float16)
         if start < S:
             self.sink_k[:, start] = self.tail_k[:, n]
             self.sink_v[:, start] = self.tail_v[:, n]
