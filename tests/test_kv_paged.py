@@ -787,3 +787,18 @@ def test_real_model_cache_bytes_match_the_estimate(real_caches):
     per_block = 32 * model.n_kv_heads * (model.head_dim + model.value_dim) * 2
     buffers = model.n_layers * (32 + 4) * model.n_kv_heads * (model.head_dim + model.value_dim) * 4
     assert full["total"] == blocks * per_block + buffers == nbytes["full"]
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+def test_attention_kernels_warm_up_once_and_log(caplog, monkeypatch):
+    """Engine.load compiles or loads the attention kernels once per process, and says how long it
+    took (the first start on a machine compiles them)."""
+    import logging
+
+    from engine.kv import paged
+
+    monkeypatch.setattr(paged, "_attention_warm", False)
+    with caplog.at_level(logging.INFO, logger="omlx.kernels"):
+        assert paged.warm_up_attention() > 0
+    assert any("attention kernels ready in" in r.getMessage() for r in caplog.records)
+    assert paged.warm_up_attention() == 0.0
