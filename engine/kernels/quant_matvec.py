@@ -370,6 +370,23 @@ def _data_ptr(context, builder, aty, aval):
     return builder.bitcast(context.make_array(aty)(context, builder, aval).data, _I8.as_pointer())
 
 
+def _for_each_block(context, builder, signature, args, decoder, bs, ts, each):
+    """The loop both intrinsics share: over the blocks of a row (args[0], 1-D uint8), as many as
+    the float32 array args[1] (1-D, C) holds values; calls each(v, i, w, fp) for the i-th decoded
+    <16 x float> vector w of a block, fp pointing at that block's first float of args[1]."""
+    v = _IR(builder)
+    sp = _data_ptr(context, builder, signature.args[0], args[0])
+    fp0 = _data_ptr(context, builder, signature.args[1], args[1])
+    farr = context.make_array(signature.args[1])(context, builder, args[1])
+    n_blocks = builder.sdiv(cgutils.unpack_tuple(builder, farr.shape, 1)[0], ir.Constant(_I64, bs))
+    with cgutils.for_range(builder, n_blocks) as loop:
+        blk = v.gep(sp, builder.mul(loop.index, ir.Constant(_I64, ts)))
+        fp = v.gep(fp0, builder.mul(loop.index, ir.Constant(_I64, 4 * bs)))
+        for i, w in enumerate(decoder(v, blk)):
+            each(v, i, w, fp)
+    return v
+
+
 def _make_dot(decoder, bs, ts):
     """Intrinsic dot(src, x) -> float32: src a row's blocks (1-D uint8), x (1-D float32, C)."""
 
@@ -378,21 +395,16 @@ def _make_dot(decoder, bs, ts):
         sig = types.float32(src, x)
 
         def codegen(context, builder, signature, args):
-            v = _IR(builder)
-            sp = _data_ptr(context, builder, signature.args[0], args[0])
-            xp = _data_ptr(context, builder, signature.args[1], args[1])
-            xarr = context.make_array(signature.args[1])(context, builder, args[1])
-            n_blocks = builder.sdiv(cgutils.unpack_tuple(builder, xarr.shape, 1)[0], ir.Constant(_I64, bs))
             vf = _vt(_F32, W)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * W)) for _ in range(2)]
-            with cgutils.for_range(builder, n_blocks) as loop:
-                blk = v.gep(sp, builder.mul(loop.index, ir.Constant(_I64, ts)))
-                xb = v.gep(xp, builder.mul(loop.index, ir.Constant(_I64, 4 * bs)))
-                for i, w in enumerate(decoder(v, blk)):
-                    xv = v.load(xb, 4 * W * i, vf, align=4)
-                    acc = accs[i % 2]
-                    prod = builder.fmul(xv, w, flags=_CONTRACT)
-                    builder.store(builder.fadd(builder.load(acc), prod, flags=_CONTRACT), acc)
+
+            def accumulate(v, i, w, xb):
+                xv = v.load(xb, 4 * W * i, vf, align=4)
+                acc = accs[i % 2]
+                prod = builder.fmul(xv, w, flags=_CONTRACT)
+                builder.store(builder.fadd(builder.load(acc), prod, flags=_CONTRACT), acc)
+
+            v = _for_each_block(context, builder, signature, args, decoder, bs, ts, accumulate)
             return v.hsum(builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
 
         return sig, codegen
@@ -408,16 +420,8 @@ def _make_deq(decoder, bs, ts):
         sig = types.void(src, out)
 
         def codegen(context, builder, signature, args):
-            v = _IR(builder)
-            sp = _data_ptr(context, builder, signature.args[0], args[0])
-            op = _data_ptr(context, builder, signature.args[1], args[1])
-            oarr = context.make_array(signature.args[1])(context, builder, args[1])
-            n_blocks = builder.sdiv(cgutils.unpack_tuple(builder, oarr.shape, 1)[0], ir.Constant(_I64, bs))
-            with cgutils.for_range(builder, n_blocks) as loop:
-                blk = v.gep(sp, builder.mul(loop.index, ir.Constant(_I64, ts)))
-                ob = v.gep(op, builder.mul(loop.index, ir.Constant(_I64, 4 * bs)))
-                for i, w in enumerate(decoder(v, blk)):
-                    v.store(w, ob, 4 * W * i)
+            _for_each_block(context, builder, signature, args, decoder, bs, ts,
+                            lambda v, i, w, ob: v.store(w, ob, 4 * W * i))
             return context.get_dummy_value()
 
         return sig, codegen
