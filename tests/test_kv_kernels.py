@@ -254,3 +254,78 @@ def test_masked_softmax_matches_numpy_within_float_rounding():
         t = m % T
         assert not got[:, m, : lo[t]].any() and not got[:, m, hi[t] :].any()
         np.testing.assert_allclose(got[:, m].sum(axis=-1), 1.0, rtol=1e-6)
+
+
+# ---- the decode step's vector intrinsics ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 6, 5, 4, 3, 2])
+@pytest.mark.parametrize("n_q", [1, 2, 3, 4])
+def test_vector_intrinsics_read_every_width(bits, n_q):
+    """`_vec_scores` / `_vec_values` against numpy on packed random codes: one group per row
+    (channel-axis keys, scales folded) and token-axis groups with their scales, queries and sums
+    in the intrinsics' channel order; an odd token count and rows padded past n_q."""
+    from engine.kernels.kv_codes import SCORE_CHUNK, VALUE_CHUNK, _chunk_order, _vec_scores, _vec_values
+    from engine.kv.formats import pack_codes
+
+    rng = np.random.default_rng(bits * 10 + n_q)
+    T, D = 7, 96
+    codes = rng.integers(0, 1 << bits, (T, D)).astype(np.uint8)
+    tile = np.ascontiguousarray(pack_codes(codes, bits))  # (T, D*bits/8)
+    x = codes.astype(np.float64)
+    q = rng.standard_normal((4, D)).astype(np.float32)
+    s_order = np.array([_chunk_order(bits, SCORE_CHUNK, d) for d in range(D)])
+    v_order = np.array([_chunk_order(bits, VALUE_CHUNK, d) for d in range(D)])
+    assert sorted(s_order) == list(range(D)) and sorted(v_order) == list(range(D))
+    q_ordered = np.empty_like(q)
+    q_ordered[:, s_order] = q
+    for group in (D, 32):
+        n_grp = D // group
+        sc = np.ones((T, 1), np.float32) if group == D else rng.random((T, n_grp)).astype(np.float32)
+        out = np.full((4, T + 2), np.nan, np.float32)
+        _vec_scores(n_q, bits, tile.ctypes.data, T, q_ordered[:n_q], sc, group, out)
+        scaled = x * np.repeat(sc, group, axis=1)  # code * its token's group scale
+        np.testing.assert_allclose(out[:n_q, :T], q[:n_q] @ scaled.T, rtol=2e-5, atol=2e-3)
+        assert np.isnan(out[n_q:]).all() and np.isnan(out[:, T:]).all()  # nothing else written
+    for group in (D, 32, 16):
+        n_grp = D // group
+        w = rng.random((4, T, n_grp)).astype(np.float32)
+        acc = rng.standard_normal((4, D)).astype(np.float32)
+        start = acc.copy()
+        _vec_values(n_q, bits, tile.ctypes.data, T, w, group, acc)
+        weights = np.repeat(w, group, axis=2)  # (4, T, D): each channel's weight
+        want = start[:, v_order] + np.einsum("ktd,td->kd", weights, x)[:, :]
+        np.testing.assert_allclose(acc[:n_q][:, v_order], want[:n_q], rtol=2e-5, atol=2e-3)
+        np.testing.assert_array_equal(acc[n_q:], start[n_q:])
+
+
+@pytest.mark.parametrize("name", ["q8t32s", "q6cs", "q5c", "q4c", "q3c", "q2cs", "q4t32", "q6t64", "q4t64s", "q2t32"])
+@pytest.mark.parametrize("geometry", [(3, 3, 32, 64), (1, 4, 16, 256), (2, 5, 8, 32), (2, 1, 16, 64), (1, 2, 16, 48)])
+def test_decode_block_passes_match_dequantize(name, geometry):
+    """The decode step's block passes (`_block_scores`, `_block_values`) on pool rows read by
+    address, every quantized format the spec can select and some it cannot, GQA groups of 1..5
+    queries (5: a group of 4 and one more), head dims that take the vector intrinsics (64, 256,
+    32) and one that does not (48)."""
+    from engine.kernels.kv_codes import _block_scores, _block_values, decode_layout
+
+    fmt = FORMATS[name]
+    h, g, t, d = geometry
+    try:
+        fmt.group_size(t, d)
+    except ValueError as e:  # e.g. groups of 32 channels over a head dim of 48
+        pytest.skip(str(e))
+    rng = np.random.default_rng(d + g)
+    pool = fmt.quantize(rng.standard_normal((6, h, t, d)).astype(np.float32))
+    ids = np.array([4, 0, 5, 2])
+    q = rng.standard_normal((h, g, d)).astype(np.float32)
+    p = rng.random((h, g, len(ids) * t)).astype(np.float32)
+    s_ref, o_ref = _reference(fmt, pool, ids, q, p, t, d)
+    rows = pool.ctypes.data + ids.astype(np.int64) * pool.shape[1]
+    layout = decode_layout(fmt, h, t, d)
+    s = np.full((h, g, len(ids) * t + 3), np.nan, np.float32)
+    _block_scores(rows, 1, len(ids), layout, t, q, s)  # blocks 1.. only, like a sliding window
+    np.testing.assert_allclose(s[:, :, t : len(ids) * t], s_ref[:, :, t:], rtol=1e-4, atol=2e-4)
+    assert np.isnan(s[:, :, :t]).all() and np.isnan(s[:, :, len(ids) * t :]).all()
+    out = np.zeros((h, g, d), np.float32)
+    _block_values(rows, 0, len(ids), layout, t, p, out)
+    np.testing.assert_allclose(out, o_ref, rtol=1e-4, atol=2e-4)

@@ -31,9 +31,12 @@ the CPU's denormal (FTZ/DAZ) mode.
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, get_num_threads, njit, prange
+from llvmlite import ir
+from numba import carray, get_num_threads, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from .quant_matvec import _deq_f16, _u8_ptr
+from .quant_matvec import _CONTRACT, _F32, _I8, _I32, _I64, _IR, _deq_f16, _u8_ptr, _vt
 
 # fast-math flags that let LLVM vectorize the float reductions (reassociate) and fuse multiply-adds,
 # without assuming the data is free of infinities / NaNs
@@ -479,7 +482,6 @@ def _row_at(addr, n):
     return carray(_u8_ptr(addr), (n,))
 
 
-_I15, _I4 = np.int32(15), np.int32(4)  # int32 constants keep nibble arithmetic in 32-bit lanes
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 split so that k*_LN2_HI is exact for |k| < 2**8
 _LN2_LO = np.float32(-2.12194440e-4)
@@ -521,86 +523,246 @@ def _softmax_in_place(x, scale):
         x[c] *= inv
 
 
-@njit(cache=True, inline="always", fastmath=_FAST)
-def _scores_q4_channel(tile, qe, qo, bias, B, D, s_h, col0, g0, n_g):
-    """4-bit keys quantized per channel, read straight from their nibbles, for up to 4 queries at
-    once (each token's codes converted once for all of them); tile (B, D/2) uint8, C-contiguous
-    (rows typed contiguous, which LLVM needs to vectorize): for k < n_g,
-    s_h[g0 + k, col0 + t] = Σ_i qe[k, i]*lo(byte i of token t) + qo[k, i]*hi(byte i) + bias[k],
-    qe/qo (4, D/2) the scale-folded queries' even/odd channels (channel 2i is byte i's low
-    nibble, 2i+1 its high), rows n_g.. zero."""
-    D2 = D // 2
-    e0, e1, e2, e3 = qe[0], qe[1], qe[2], qe[3]
-    o0, o1, o2, o3 = qo[0], qo[1], qo[2], qo[3]
-    for t in range(B):
-        src = tile[t]
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        for i in range(D2):
-            b = np.int32(src[i])
-            lo = np.float32(b & _I15)
-            hi = np.float32(b >> _I4)
-            a0 += e0[i] * lo + o0[i] * hi
-            a1 += e1[i] * lo + o1[i] * hi
-            a2 += e2[i] * lo + o2[i] * hi
-            a3 += e3[i] * lo + o3[i] * hi
-        s_h[g0, col0 + t] = a0 + bias[0]
-        if n_g > 1:
-            s_h[g0 + 1, col0 + t] = a1 + bias[1]
-        if n_g > 2:
-            s_h[g0 + 2, col0 + t] = a2 + bias[2]
-        if n_g > 3:
-            s_h[g0 + 3, col0 + t] = a3 + bias[3]
+# ---- packed tiles in explicit vector IR -------------------------------------------------------
+# numba compiles per-token loops over packed codes to code that spends most of its time on scalar
+# byte loads, accumulator loads/stores and per-token shuffles (~90 cycles per token and head for
+# 4 queries over 64 channels of 4-bit codes, where the arithmetic is ~25). The intrinsics below
+# write the same sums as LLVM vector IR (the weight kernels' vocabulary, `quant_matvec._IR`),
+# reading codes of any width 2..8 straight from the bit stream:
+#
+#   16 codes of `bits` bits (2*bits bytes; code j is bits [j*bits, (j+1)*bits) of the
+#   little-endian chunk): lane j takes byte (j*bits)//8 and the next one (byte shuffles; one
+#   when no code straddles a byte), shifts right by (j*bits) % 8 and masks -> int-to-float.
+#   4-bit codes take a cheaper route: the bytes zero-extended to i32 lanes, low nibbles (even
+#   channels) and high nibbles (odd channels) as two vectors, so a chunk comes out in the order
+#   [even channels | odd channels]; callers permute the query (scores) or the sums (values) to
+#   match (`_chunk_order`).
+#
+#   scores: per token, 32 channels at a time, one <16 x float> accumulator per query (FMAs with
+#           the query's channels), one horizontal sum per token and query; token-axis groups are
+#           summed apart and scaled by the token's group scale.
+#   values: per 16 channels, the queries' accumulators stay in registers across all tokens of
+#           the tile, one broadcast weight per (query, token).
+#
+# The number of queries (1..4, a GQA group or a part of one) is a compile-time constant of each
+# intrinsic, so that groups of 3 (SmolLM2) do not pay for a fourth; the width is a branch taken
+# once per call. Offsets (group minimums, symmetric zero points) are added by the callers: for
+# channel-axis keys q·z is one number per query, elsewhere Σ p·z is one per (query, group).
+
+VECTOR_BITS = (8, 6, 5, 4, 3, 2)  # widths the intrinsics read
+SCORE_CHUNK, VALUE_CHUNK = 32, 16  # channels per step of the scores / values loops
 
 
-@njit(cache=True, inline="always", fastmath=_FAST)
-def _values_q4_token(tile, p_h, sd, zd, group, B, Dv, col0, g0, n_g, acc_e, acc_o):
-    """4-bit values quantized per token in groups along Dv, read from their nibbles, for up to 4
-    queries at once; tile (B, Dv/2) uint8, C-contiguous: for k < n_g,
-    acc_e[k, i] += Σ_t p_h[g0 + k, col0 + t]*v[t, 2i] (acc_o: channel 2i+1), v = code*scale + offset;
-    acc_e, acc_o (4, Dv/2)."""
-    G2 = group // 2
-    n_grp = Dv // group
-    zero = np.float32(0.0)
-    for t in range(B):
-        src = tile[t]
-        p0 = p_h[g0, col0 + t]
-        p1 = p_h[g0 + 1, col0 + t] if n_g > 1 else zero
-        p2 = p_h[g0 + 2, col0 + t] if n_g > 2 else zero
-        p3 = p_h[g0 + 3, col0 + t] if n_g > 3 else zero
-        if p0 == 0.0 and p1 == 0.0 and p2 == 0.0 and p3 == 0.0:  # masked or sink tokens
-            continue
-        for k in range(n_grp):
-            sc = sd[t * n_grp + k]
-            z = zd[t * n_grp + k]
-            if n_grp == 1:  # one group per token row (the V4 default): whole rows, typed contiguous
-                _nibble_axpy4(src, p0 * sc, p1 * sc, p2 * sc, p3 * sc, p0 * z, p1 * z, p2 * z, p3 * z,
-                              acc_e[0], acc_e[1], acc_e[2], acc_e[3], acc_o[0], acc_o[1], acc_o[2], acc_o[3])
-            else:
-                a, b = k * G2, (k + 1) * G2
-                _nibble_axpy4(src[a:b], p0 * sc, p1 * sc, p2 * sc, p3 * sc, p0 * z, p1 * z, p2 * z, p3 * z,
-                              acc_e[0, a:b], acc_e[1, a:b], acc_e[2, a:b], acc_e[3, a:b],
-                              acc_o[0, a:b], acc_o[1, a:b], acc_o[2, a:b], acc_o[3, a:b])
+def _arr_ptr(context, builder, aty, aval):
+    return builder.bitcast(context.make_array(aty)(context, builder, aval).data, _I8.as_pointer())
 
 
-@njit(cache=True, inline="always", fastmath=_FAST)
-def _nibble_axpy4(src, w0, w1, w2, w3, z0, z1, z2, z3, e0, e1, e2, e3, o0, o1, o2, o3):
-    """For k = 0..3: e_k[i] += w_k*lo(src[i]) + z_k, o_k[i] += w_k*hi(src[i]) + z_k (the four
-    queries' weighted sums of one token's 4-bit values: channel 2i is byte i's low nibble)."""
-    for i in range(src.shape[0]):
-        b = np.int32(src[i])
-        lo = np.float32(b & _I15)
-        hi = np.float32(b >> _I4)
-        e0[i] += w0 * lo + z0
-        o0[i] += w0 * hi + z0
-        e1[i] += w1 * lo + z1
-        o1[i] += w1 * hi + z1
-        e2[i] += w2 * lo + z2
-        o2[i] += w2 * hi + z2
-        e3[i] += w3 * lo + z3
-        o3[i] += w3 * hi + z3
+def _arr_dim(context, builder, aty, aval, axis):
+    arr = context.make_array(aty)(context, builder, aval)
+    return cgutils.unpack_tuple(builder, arr.shape, aty.ndim)[axis]
+
+
+def _i64(x):
+    return ir.Constant(_I64, x)
+
+
+def _codes16(v, chunk, bits):
+    """<16 x float> of the 16 codes of `bits` bits at byte pointer `chunk` (2*bits bytes), in
+    channel order, or for bits == 4 in the order [8 even channels | 8 odd channels]."""
+    b = v.b
+    n_bytes = 2 * bits
+    raw = v.load(chunk, 0, _vt(_I8, n_bytes))
+    if bits == 4:
+        w = b.zext(raw, _vt(_I32, 8))
+        return b.shuffle_vector(v.sf(v.and_(w, 15)), v.sf(v.shr(w, 4)), v.civ(range(16)))
+    if bits == 8:
+        return v.sf(b.zext(raw, _vt(_I32, 16)))
+    # one byte shuffle builds each lane's little-endian i32 from the code's first byte and the
+    # next (zeros above): a 32-bit window holds shift (<= 7) + bits (<= 8) bits
+    zeros = ir.Constant(_vt(_I8, n_bytes), [0] * n_bytes)
+    picks = []
+    for j in range(16):
+        first, shift = j * bits // 8, j * bits % 8
+        second = first + 1 if shift + bits > 8 else n_bytes  # n_bytes: a zero byte
+        picks += [first, second, n_bytes, n_bytes]
+    w = b.bitcast(b.shuffle_vector(raw, zeros, v.civ(picks)), _vt(_I32, 16))
+    shifts = [j * bits % 8 for j in range(16)]
+    if any(shifts):
+        w = b.lshr(w, v.civ(shifts))
+    return v.sf(v.and_(w, (1 << bits) - 1))
+
+
+def _codes32(v, chunk, bits):
+    """Two <16 x float> of the 32 codes of `bits` bits at `chunk` (4*bits bytes), in channel
+    order, or for bits == 4 [16 even channels], [16 odd channels]."""
+    if bits == 4:
+        w = v.u8(chunk, 0, 16)
+        return [v.sf(v.and_(w, 15)), v.sf(v.shr(w, 4))]
+    return [_codes16(v, chunk, bits), _codes16(v, v.gep(chunk, 2 * bits), bits)]
+
+
+def _for_each_width(builder, bits, emit):
+    """emit(b) under `if bits == b` for each width of VECTOR_BITS."""
+    for b in VECTOR_BITS:
+        with builder.if_then(builder.icmp_signed("==", bits, ir.Constant(bits.type, b))):
+            emit(b)
+
+
+def _fma_into(builder, acc_ptr, a, x):
+    """*acc_ptr += a * x (fusable)."""
+    prod = builder.fmul(a, x, flags=_CONTRACT)
+    builder.store(builder.fadd(builder.load(acc_ptr), prod, flags=_CONTRACT), acc_ptr)
+
+
+def _make_tile_scores(n_q):
+    """Intrinsic scores(bits, tile_addr, n_tokens, qs, sc, group, out): for k < n_q, t < n_tokens,
+    out[k, t] = Σ_g sc[t, g]*Σ_{d in group g} qs[k, d]*code[t, d], groups of `group` channels (a
+    multiple of SCORE_CHUNK; channel-axis keys: one group of D channels, sc = 1 and the scales
+    folded into qs). code: the tile's (n_tokens, D) codes of `bits` bits at tile_addr, rows of
+    D*bits/8 bytes; qs in `_chunk_order`. qs (>= n_q, D), sc (n_tokens, D/group) and out
+    (>= n_q, >= n_tokens) float32 C-contiguous; D a multiple of SCORE_CHUNK."""
+
+    @intrinsic
+    def scores(typingctx, bits, tile_addr, n_tokens, qs, sc, group, out):
+        sig = types.void(bits, tile_addr, n_tokens, qs, sc, group, out)
+
+        def codegen(context, builder, signature, args):
+            v = _IR(builder)
+            vf = _vt(_F32, 16)
+            zero = ir.Constant(vf, [0.0] * 16)
+            bits_v, tile, n_tok, group = args[0], builder.inttoptr(args[1], _I8.as_pointer()), args[2], args[5]
+            qs_p = _arr_ptr(context, builder, signature.args[3], args[3])
+            sc_p = _arr_ptr(context, builder, signature.args[4], args[4])
+            out_p = _arr_ptr(context, builder, signature.args[6], args[6])
+            D = _arr_dim(context, builder, signature.args[3], args[3], 1)
+            n_grp = _arr_dim(context, builder, signature.args[4], args[4], 1)
+            out_cols = _arr_dim(context, builder, signature.args[6], args[6], 1)
+            accs = [cgutils.alloca_once(builder, vf) for _ in range(n_q)]
+            q_rows = [builder.mul(D, _i64(4 * k)) for k in range(n_q)]  # byte offset of query k
+
+            def chunk_into(row, c, b, targets):
+                """targets[k] += qs[k, chunk c] * codes of chunk c (two <16 x float> each)."""
+                xs = _codes32(v, v.gep(row, builder.mul(c, _i64(4 * b))), b)
+                c_off = builder.mul(c, _i64(4 * SCORE_CHUNK))
+                for k, acc in enumerate(targets):
+                    off = builder.add(q_rows[k], c_off)
+                    for half, x in enumerate(xs):
+                        _fma_into(builder, acc, v.load(qs_p, builder.add(off, _i64(64 * half)), vf), x)
+
+            parts = [cgutils.alloca_once(builder, vf) for _ in range(n_q)]
+            per_group = builder.sdiv(group, _i64(SCORE_CHUNK))
+
+            def emit(b):
+                row_bytes = builder.sdiv(builder.mul(D, _i64(b)), _i64(8))
+                with cgutils.for_range(builder, n_tok) as tok:
+                    row = v.gep(tile, builder.mul(tok.index, row_bytes))
+                    for acc in accs:
+                        builder.store(zero, acc)
+                    with cgutils.for_range(builder, n_grp) as grp:
+                        for part in parts:
+                            builder.store(zero, part)
+                        with cgutils.for_range(builder, per_group) as ch:
+                            chunk_into(row, builder.add(builder.mul(grp.index, per_group), ch.index), b, parts)
+                        sc_off = builder.mul(builder.add(builder.mul(tok.index, n_grp), grp.index), _i64(4))
+                        s = v.splat(v.load(sc_p, sc_off, _F32, align=4), 16)
+                        for acc, part in zip(accs, parts):
+                            _fma_into(builder, acc, s, builder.load(part))
+                    for k, acc in enumerate(accs):
+                        off = builder.mul(builder.add(builder.mul(out_cols, _i64(k)), tok.index), _i64(4))
+                        v.store(v.hsum(builder.load(acc)), out_p, off)
+
+            _for_each_width(builder, bits_v, emit)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return scores
+
+
+def _make_tile_values(n_q):
+    """Intrinsic values(bits, tile_addr, n_tokens, w, group, acc): for k < n_q and d < Dv,
+    acc[k, d] += Σ_t w[k, t, d // group]*code[t, d]; code: the tile's (n_tokens, Dv) codes of
+    `bits` bits at tile_addr (token-axis groups of `group` channels, a multiple of VALUE_CHUNK),
+    rows of Dv*bits/8 bytes; acc in `_chunk_order`. w (>= n_q, n_tokens, Dv/group) and acc
+    (>= n_q, Dv) float32 C-contiguous, Dv a multiple of VALUE_CHUNK."""
+
+    @intrinsic
+    def values(typingctx, bits, tile_addr, n_tokens, w, group, acc):
+        sig = types.void(bits, tile_addr, n_tokens, w, group, acc)
+
+        def codegen(context, builder, signature, args):
+            v = _IR(builder)
+            vf = _vt(_F32, VALUE_CHUNK)
+            bits_v, tile, n_tok, group = args[0], builder.inttoptr(args[1], _I8.as_pointer()), args[2], args[4]
+            w_p = _arr_ptr(context, builder, signature.args[3], args[3])
+            a_p = _arr_ptr(context, builder, signature.args[5], args[5])
+            n_grp = _arr_dim(context, builder, signature.args[3], args[3], 2)
+            w_q = builder.mul(builder.mul(n_tok, n_grp), _i64(4))  # bytes per query of w
+            Dv = _arr_dim(context, builder, signature.args[5], args[5], 1)
+            accs = [cgutils.alloca_once(builder, vf) for _ in range(n_q)]
+
+            def emit(b):
+                row_bytes = builder.sdiv(builder.mul(Dv, _i64(b)), _i64(8))
+                with cgutils.for_range(builder, builder.sdiv(Dv, _i64(VALUE_CHUNK))) as chunk:
+                    c0 = builder.mul(chunk.index, _i64(VALUE_CHUNK))  # first channel
+                    a_offs = [builder.mul(builder.add(builder.mul(Dv, _i64(k)), c0), _i64(4)) for k in range(n_q)]
+                    for k, acc in enumerate(accs):
+                        builder.store(v.load(a_p, a_offs[k], vf, align=4), acc)
+                    grp = builder.sdiv(c0, group)
+                    codes0 = v.gep(tile, builder.mul(chunk.index, _i64(VALUE_CHUNK * b // 8)))
+                    with cgutils.for_range(builder, n_tok) as tok:
+                        x = _codes16(v, v.gep(codes0, builder.mul(tok.index, row_bytes)), b)
+                        w_off = builder.mul(builder.add(builder.mul(tok.index, n_grp), grp), _i64(4))
+                        for k, acc in enumerate(accs):
+                            wk = v.load(w_p, builder.add(w_off, builder.mul(w_q, _i64(k))), _F32, align=4)
+                            _fma_into(builder, acc, v.splat(wk, VALUE_CHUNK), x)
+                    for k, acc in enumerate(accs):
+                        v.store(builder.load(acc), a_p, a_offs[k])
+
+            _for_each_width(builder, bits_v, emit)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return values
+
+
+_tile_scores_1, _tile_scores_2, _tile_scores_3, _tile_scores_4 = (_make_tile_scores(n) for n in range(1, 5))
+_tile_values_1, _tile_values_2, _tile_values_3, _tile_values_4 = (_make_tile_values(n) for n in range(1, 5))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _vec_scores(n_q, bits, tile_addr, n_tokens, qs, sc, group, out):
+    if n_q == 4:
+        _tile_scores_4(bits, tile_addr, n_tokens, qs, sc, group, out)
+    elif n_q == 3:
+        _tile_scores_3(bits, tile_addr, n_tokens, qs, sc, group, out)
+    elif n_q == 2:
+        _tile_scores_2(bits, tile_addr, n_tokens, qs, sc, group, out)
+    else:
+        _tile_scores_1(bits, tile_addr, n_tokens, qs, sc, group, out)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _vec_values(n_q, bits, tile_addr, n_tokens, w, group, acc):
+    if n_q == 4:
+        _tile_values_4(bits, tile_addr, n_tokens, w, group, acc)
+    elif n_q == 3:
+        _tile_values_3(bits, tile_addr, n_tokens, w, group, acc)
+    elif n_q == 2:
+        _tile_values_2(bits, tile_addr, n_tokens, w, group, acc)
+    else:
+        _tile_values_1(bits, tile_addr, n_tokens, w, group, acc)
+
+
+@njit(cache=True, inline="always")
+def _chunk_order(bits, chunk, d):
+    """Position of channel d in the intrinsics' order: channel order, except that 4-bit codes
+    come out of each chunk of `chunk` channels as [even channels | odd channels]."""
+    if bits != 4:
+        return d
+    i = d % chunk
+    return d - i + (i // 2 if i % 2 == 0 else chunk // 2 + i // 2)
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
@@ -611,70 +773,82 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
     kb, kg, kc, ks, kcb, kng, krb = k_layout
     n_sc = 1 if kb == 16 else (D if kc else B * D // kg)
     fold = kc and kb != 16
-    nibbles = kb == 4 and kc
+    vector = kb != 16 and D % SCORE_CHUNK == 0 and (kc or kg % SCORE_CHUNK == 0)  # `_vec_scores` reads the codes
+    n_grp = 1 if kc or kb == 16 else D // kg
     x = np.empty(B * D, np.float32)
     sd = np.empty(n_sc, np.float32)
     zd = np.empty(n_sc, np.float32)
     qs = np.empty((G, D), np.float32)
-    D2 = D // 2
-    qe = np.zeros((4, D2), np.float32)
-    qo = np.zeros((4, D2), np.float32)
     bias = np.zeros(G, np.float32)
-    bias4 = np.zeros(4, np.float32)
-    sd_e = np.empty(D2, np.float32)
-    sd_o = np.empty(D2, np.float32)
-    zd_e = np.empty(D2, np.float32)
-    zd_o = np.empty(D2, np.float32)
-    q_e = np.empty((Hkv, G, D2), np.float32)  # the query's even / odd channels
-    q_o = np.empty((Hkv, G, D2), np.float32)
-    if nibbles:
+    out4 = np.empty((4, B), np.float32)
+    no_scales = np.ones((B, 1), np.float32)
+    q_sums = np.zeros((Hkv, G, n_grp), np.float32)  # token-axis groups: Σ of the query's channels
+    q_ordered = np.empty((Hkv, G, D), np.float32)  # q in `_chunk_order`
+    order = np.empty(D, np.int64)  # order[i]: the channel at position i
+    sd_o = np.empty(D, np.float32)  # channel-axis scales / offsets in that order
+    zd_o = np.empty(D, np.float32)
+    if vector:
+        for d in range(D):
+            order[_chunk_order(kb, SCORE_CHUNK, d)] = d
         for h in range(Hkv):
             for g in range(G):
-                for i in range(D2):
-                    q_e[h, g, i] = q[h, g, 2 * i]
-                    q_o[h, g, i] = q[h, g, 2 * i + 1]
+                for i in range(D):
+                    q_ordered[h, g, i] = q[h, g, order[i]]
+                if not kc:
+                    for d in range(D):
+                        q_sums[h, g, d // kg] += q[h, g, d]
     for j in range(j0, j1):
         row = _row_at(k_rows[j], krb)
         for h in range(Hkv):
-            qh = q[h]
             if kb == 16:
                 _f16_tile(row[2 * h * B * D : 2 * (h + 1) * B * D], x)
-            else:
-                if not nibbles:
-                    _unpack_tile(row, h, B * D, kb, x)
-                _tile_scales(row, h, n_sc, kb, ks, kcb, kng, sd, zd)
-                if nibbles:
-                    pass  # folded per group of 4 queries below
-                elif fold:
-                    _fold_channel_scales(q[h], sd, zd, qs, bias)
-                    qh = qs
+                _tile_scores(q[h], x, B, D, bias, s[h], j * B)
+                continue
+            _tile_scales(row, h, n_sc, kb, ks, kcb, kng, sd, zd)
+            if vector:
+                if kc:  # q·(c*s + z) = (q*s)·c + q·z
+                    for i in range(D):
+                        sd_o[i] = sd[order[i]]
+                        zd_o[i] = zd[order[i]]
+                    for m in range(G):
+                        qm = q_ordered[h, m]
+                        qsm = qs[m]
+                        b = np.float32(0.0)
+                        for i in range(D):
+                            qsm[i] = qm[i] * sd_o[i]
+                            b += qm[i] * zd_o[i]
+                        bias[m] = b
+                    src = qs
+                    sc = no_scales
                 else:
-                    _dequantize_tile(x, B, D, kg, kc, sd, zd)
-            if nibbles:
-                tile = carray(_u8_ptr(k_rows[j] + h * B * D // 2), (B, D // 2))
-                for i in range(D2):  # channel scales/offsets split like the nibbles: even, odd
-                    sd_e[i] = sd[2 * i]
-                    sd_o[i] = sd[2 * i + 1]
-                    zd_e[i] = zd[2 * i]
-                    zd_o[i] = zd[2 * i + 1]
+                    src = q_ordered[h]
+                    sc = sd.reshape((B, n_grp))
                 for g0 in range(0, G, 4):
-                    n_g = min(4, G - g0)
-                    for k in range(n_g):  # fold the scales into the query: (q*s)·c + q·z
-                        a = q_e[h, g0 + k]
-                        b = q_o[h, g0 + k]
-                        e = qe[k]
-                        o = qo[k]
-                        acc = np.float32(0.0)
-                        for i in range(D2):
-                            e[i] = a[i] * sd_e[i]
-                            o[i] = b[i] * sd_o[i]
-                            acc += a[i] * zd_e[i] + b[i] * zd_o[i]
-                        bias4[k] = acc
-                    _scores_q4_channel(tile, qe, qo, bias4, B, D, s[h], j * B, g0, n_g)
-            else:
-                _tile_scores(qh, x, B, D, bias, s[h], j * B)
+                    n_q = min(4, G - g0)
+                    _vec_scores(n_q, kb, k_rows[j] + h * B * D * kb // 8, B, src[g0 : g0 + n_q], sc,
+                                D if kc else kg, out4)
+                    for k in range(n_q):
+                        m = g0 + k
+                        sk = s[h, m, j * B : (j + 1) * B]
+                        if kc:
+                            for t in range(B):
+                                sk[t] = out4[k, t] + bias[m]
+                        else:  # + Σ_groups z[t, g]·(Σ of the group's query channels)
+                            for t in range(B):
+                                sk[t] = out4[k, t]
+                            for g in range(n_grp):
+                                qg = q_sums[h, m, g]
+                                for t in range(B):
+                                    sk[t] += zd[t * n_grp + g] * qg
+                continue
+            _unpack_tile(row, h, B * D, kb, x)
             if fold:
+                _fold_channel_scales(q[h], sd, zd, qs, bias)
+                _tile_scores(qs, x, B, D, bias, s[h], j * B)
                 bias[:] = 0.0
+            else:
+                _dequantize_tile(x, B, D, kg, kc, sd, zd)
+                _tile_scores(q[h], x, B, D, bias, s[h], j * B)
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
@@ -683,37 +857,48 @@ def _block_values(v_rows, j0, j1, v_layout, B, p, out):
     Hkv, G, Dv = out.shape
     vb, vg, vc, vs, vcb, vng, vrb = v_layout
     n_sc = 1 if vb == 16 else (Dv if vc else B * Dv // vg)
-    nibbles = vb == 4 and not vc and vg % 2 == 0
+    vector = vb != 16 and not vc and Dv % VALUE_CHUNK == 0 and vg % VALUE_CHUNK == 0  # `_vec_values` reads the codes
+    n_grp = Dv // vg if vector else 1
     x = np.empty(B * Dv, np.float32)
     sd = np.empty(n_sc, np.float32)
     zd = np.empty(n_sc, np.float32)
-    n_g4 = (G + 3) // 4  # queries in groups of 4 (the last padded)
-    acc_e = np.zeros((n_g4, 4, Dv // 2), np.float32)
-    acc_o = np.zeros((n_g4, 4, Dv // 2), np.float32)
+    n_g4 = (G + 3) // 4  # queries in groups of 4 (the last one shorter)
+    acc = np.zeros((n_g4, 4, Dv), np.float32)
+    w = np.zeros((4, B, n_grp), np.float32)  # p * scale per (query, token, group)
+    z_sum = np.zeros((G, n_grp), np.float32)  # Σ_t p * offset: the same for a group's channels
     for h in range(Hkv):
-        if nibbles:
-            acc_e[:] = 0.0
-            acc_o[:] = 0.0
+        if vector:
+            acc[:] = 0.0
+            z_sum[:] = 0.0
         for j in range(j0, j1):
             row = _row_at(v_rows[j], vrb)
             if vb == 16:
                 _f16_tile(row[2 * h * B * Dv : 2 * (h + 1) * B * Dv], x)
-            else:
-                _tile_scales(row, h, n_sc, vb, vs, vcb, vng, sd, zd)
-                if nibbles:
-                    tile = carray(_u8_ptr(v_rows[j] + h * B * Dv // 2), (B, Dv // 2))
-                    for c in range(n_g4):
-                        _values_q4_token(tile, p[h], sd, zd, vg, B, Dv, j * B, 4 * c, min(4, G - 4 * c),
-                                         acc_e[c], acc_o[c])
-                    continue
-                _unpack_tile(row, h, B * Dv, vb, x)
-                _dequantize_tile(x, B, Dv, vg, vc, sd, zd)
+                _tile_values(p[h], x, B, Dv, j * B, out[h])
+                continue
+            _tile_scales(row, h, n_sc, vb, vs, vcb, vng, sd, zd)
+            if vector:
+                for c in range(n_g4):
+                    n_q = min(4, G - 4 * c)
+                    for k in range(n_q):
+                        m = 4 * c + k
+                        pm = p[h, m, j * B : (j + 1) * B]
+                        wk = w[k]
+                        for g in range(n_grp):
+                            zs = np.float32(0.0)
+                            for t in range(B):
+                                wk[t, g] = pm[t] * sd[t * n_grp + g]
+                                zs += pm[t] * zd[t * n_grp + g]
+                            z_sum[m, g] += zs
+                    _vec_values(n_q, vb, v_rows[j] + h * B * Dv * vb // 8, B, w, vg, acc[c])
+                continue
+            _unpack_tile(row, h, B * Dv, vb, x)
+            _dequantize_tile(x, B, Dv, vg, vc, sd, zd)
             _tile_values(p[h], x, B, Dv, j * B, out[h])
-        if nibbles:
-            for g in range(G):
-                for i in range(Dv // 2):
-                    out[h, g, 2 * i] += acc_e[g // 4, g % 4, i]
-                    out[h, g, 2 * i + 1] += acc_o[g // 4, g % 4, i]
+        if vector:
+            for m in range(G):
+                for d in range(Dv):
+                    out[h, m, d] += acc[m // 4, m % 4, _chunk_order(vb, VALUE_CHUNK, d)] + z_sum[m, d // vg]
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
@@ -787,9 +972,10 @@ def decode_attention(k_rows, v_rows, k_layout, v_layout, B, q, scale, sink_k, si
         size 0 to skip.
     out: (Hkv, G, Dv) float32, written.
 
-    4-bit keys on the channel axis and 4-bit values on the token axis (the K4/V4 defaults) are
-    read from their nibbles directly; other formats are decoded a (block, head) tile at a time
-    into a float32 scratch first.
+    Quantized blocks are read from their codes by the vector intrinsics (`_vec_scores`,
+    `_vec_values`) when the shapes allow (head dims a multiple of 16, token-axis groups of 16 /
+    8 channels or more; channel-axis values excepted); float16 blocks and the other shapes are
+    decoded a (block, head) tile at a time into a float32 scratch first.
     """
     Hkv, G, D = q.shape
     nb = k_rows.shape[0]
