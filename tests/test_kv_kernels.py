@@ -259,20 +259,27 @@ def test_masked_softmax_matches_numpy_within_float_rounding():
 # ---- the decode step's vector intrinsics ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits", [8, 6, 5, 4, 3, 2])
+@pytest.mark.parametrize("bits", [16, 8, 6, 5, 4, 3, 2])
 @pytest.mark.parametrize("n_q", [1, 2, 3, 4])
 def test_vector_intrinsics_read_every_width(bits, n_q):
-    """`_vec_scores` / `_vec_values` against numpy on packed random codes: one group per row
-    (channel-axis keys, scales folded) and token-axis groups with their scales, queries and sums
-    in the intrinsics' channel order; an odd token count and rows padded past n_q."""
+    """`_vec_scores` / `_vec_values` against numpy on packed random codes (bits 16: float16
+    values, specials excepted): one group per row (channel-axis keys, scales folded; float16) and
+    token-axis groups with their scales, queries and sums in the intrinsics' channel order; an
+    odd token count and rows padded past n_q."""
     from engine.kernels.kv_codes import SCORE_CHUNK, VALUE_CHUNK, _chunk_order, _vec_scores, _vec_values
     from engine.kv.formats import pack_codes
 
     rng = np.random.default_rng(bits * 10 + n_q)
     T, D = 7, 96
-    codes = rng.integers(0, 1 << bits, (T, D)).astype(np.uint8)
-    tile = np.ascontiguousarray(pack_codes(codes, bits))  # (T, D*bits/8)
-    x = codes.astype(np.float64)
+    if bits == 16:
+        halves = (3.0 * rng.standard_normal((T, D))).astype(np.float16)
+        halves[0, :3] = [np.float16(6e-8), np.float16(-0.0), np.float16(65504)]  # subnormal, -0, max
+        tile = halves.view(np.uint8).copy()
+        x = halves.astype(np.float64)
+    else:
+        codes = rng.integers(0, 1 << bits, (T, D)).astype(np.uint8)
+        tile = np.ascontiguousarray(pack_codes(codes, bits))  # (T, D*bits/8)
+        x = codes.astype(np.float64)
     q = rng.standard_normal((4, D)).astype(np.float32)
     s_order = np.array([_chunk_order(bits, SCORE_CHUNK, d) for d in range(D)])
     v_order = np.array([_chunk_order(bits, VALUE_CHUNK, d) for d in range(D)])
@@ -299,7 +306,7 @@ def test_vector_intrinsics_read_every_width(bits, n_q):
         np.testing.assert_array_equal(acc[n_q:], start[n_q:])
 
 
-@pytest.mark.parametrize("name", ["q8t32s", "q6cs", "q5c", "q4c", "q3c", "q2cs", "q4t32", "q6t64", "q4t64s", "q2t32"])
+@pytest.mark.parametrize("name", ["f16", "q8t32s", "q6cs", "q5c", "q4c", "q3c", "q2cs", "q4t32", "q6t64", "q4t64s", "q2t32"])
 @pytest.mark.parametrize("geometry", [(3, 3, 32, 64), (1, 4, 16, 256), (2, 5, 8, 32), (2, 1, 16, 64), (1, 2, 16, 48)])
 def test_decode_block_passes_match_dequantize(name, geometry):
     """The decode step's block passes (`_block_scores`, `_block_values`) on pool rows read by

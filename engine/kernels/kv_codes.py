@@ -36,7 +36,7 @@ from numba import carray, get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quant_matvec import _CONTRACT, _F32, _I8, _I32, _I64, _IR, _deq_f16, _u8_ptr, _vt
+from .quant_matvec import _CONTRACT, _F32, _I8, _I16, _I32, _I64, _IR, _deq_f16, _u8_ptr, _vt
 
 # fast-math flags that let LLVM vectorize the float reductions (reassociate) and fuse multiply-adds,
 # without assuming the data is free of infinities / NaNs
@@ -549,7 +549,7 @@ def _softmax_in_place(x, scale):
 # once per call. Offsets (group minimums, symmetric zero points) are added by the callers: for
 # channel-axis keys q·z is one number per query, elsewhere Σ p·z is one per (query, group).
 
-VECTOR_BITS = (8, 6, 5, 4, 3, 2)  # widths the intrinsics read
+VECTOR_BITS = (16, 8, 6, 5, 4, 3, 2)  # widths the intrinsics read (16: float16 values)
 SCORE_CHUNK, VALUE_CHUNK = 32, 16  # channels per step of the scores / values loops
 
 
@@ -568,8 +568,11 @@ def _i64(x):
 
 def _codes16(v, chunk, bits):
     """<16 x float> of the 16 codes of `bits` bits at byte pointer `chunk` (2*bits bytes), in
-    channel order, or for bits == 4 in the order [8 even channels | 8 odd channels]."""
+    channel order, or for bits == 4 in the order [8 even channels | 8 odd channels]; bits == 16:
+    16 float16 values (converted exactly, F16C when the CPU has it)."""
     b = v.b
+    if bits == 16:
+        return v.f16(b.zext(v.load(chunk, 0, _vt(_I16, 16)), _vt(_I32, 16)))
     n_bytes = 2 * bits
     raw = v.load(chunk, 0, _vt(_I8, n_bytes))
     if bits == 4:
@@ -773,8 +776,9 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
     kb, kg, kc, ks, kcb, kng, krb = k_layout
     n_sc = 1 if kb == 16 else (D if kc else B * D // kg)
     fold = kc and kb != 16
-    vector = kb != 16 and D % SCORE_CHUNK == 0 and (kc or kg % SCORE_CHUNK == 0)  # `_vec_scores` reads the codes
-    n_grp = 1 if kc or kb == 16 else D // kg
+    whole_rows = kc or kb == 16  # one group per row for the intrinsic (no scales, or folded ones)
+    vector = D % SCORE_CHUNK == 0 and (whole_rows or kg % SCORE_CHUNK == 0)  # `_vec_scores` reads the codes
+    n_grp = 1 if whole_rows else D // kg
     x = np.empty(B * D, np.float32)
     sd = np.empty(n_sc, np.float32)
     zd = np.empty(n_sc, np.float32)
@@ -794,19 +798,18 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
             for g in range(G):
                 for i in range(D):
                     q_ordered[h, g, i] = q[h, g, order[i]]
-                if not kc:
+                if not whole_rows:
                     for d in range(D):
                         q_sums[h, g, d // kg] += q[h, g, d]
     for j in range(j0, j1):
         row = _row_at(k_rows[j], krb)
         for h in range(Hkv):
-            if kb == 16:
-                _f16_tile(row[2 * h * B * D : 2 * (h + 1) * B * D], x)
-                _tile_scores(q[h], x, B, D, bias, s[h], j * B)
-                continue
-            _tile_scales(row, h, n_sc, kb, ks, kcb, kng, sd, zd)
             if vector:
-                if kc:  # q·(c*s + z) = (q*s)·c + q·z
+                if kb == 16:  # float16 values: no scales, bias 0
+                    src = q_ordered[h]
+                    sc = no_scales
+                elif kc:  # q·(c*s + z) = (q*s)·c + q·z
+                    _tile_scales(row, h, n_sc, kb, ks, kcb, kng, sd, zd)
                     for i in range(D):
                         sd_o[i] = sd[order[i]]
                         zd_o[i] = zd[order[i]]
@@ -821,16 +824,17 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
                     src = qs
                     sc = no_scales
                 else:
+                    _tile_scales(row, h, n_sc, kb, ks, kcb, kng, sd, zd)
                     src = q_ordered[h]
                     sc = sd.reshape((B, n_grp))
                 for g0 in range(0, G, 4):
                     n_q = min(4, G - g0)
                     _vec_scores(n_q, kb, k_rows[j] + h * B * D * kb // 8, B, src[g0 : g0 + n_q], sc,
-                                D if kc else kg, out4)
+                                D if whole_rows else kg, out4)
                     for k in range(n_q):
                         m = g0 + k
                         sk = s[h, m, j * B : (j + 1) * B]
-                        if kc:
+                        if whole_rows:
                             for t in range(B):
                                 sk[t] = out4[k, t] + bias[m]
                         else:  # + Σ_groups z[t, g]·(Σ of the group's query channels)
@@ -841,6 +845,11 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
                                 for t in range(B):
                                     sk[t] += zd[t * n_grp + g] * qg
                 continue
+            if kb == 16:
+                _f16_tile(row[2 * h * B * D : 2 * (h + 1) * B * D], x)
+                _tile_scores(q[h], x, B, D, bias, s[h], j * B)
+                continue
+            _tile_scales(row, h, n_sc, kb, ks, kcb, kng, sd, zd)
             _unpack_tile(row, h, B * D, kb, x)
             if fold:
                 _fold_channel_scales(q[h], sd, zd, qs, bias)
@@ -857,8 +866,9 @@ def _block_values(v_rows, j0, j1, v_layout, B, p, out):
     Hkv, G, Dv = out.shape
     vb, vg, vc, vs, vcb, vng, vrb = v_layout
     n_sc = 1 if vb == 16 else (Dv if vc else B * Dv // vg)
-    vector = vb != 16 and not vc and Dv % VALUE_CHUNK == 0 and vg % VALUE_CHUNK == 0  # `_vec_values` reads the codes
-    n_grp = Dv // vg if vector else 1
+    group = Dv if vb == 16 else vg  # float16: one "group" per row, weight p, no offsets
+    vector = Dv % VALUE_CHUNK == 0 and (vb == 16 or (not vc and vg % VALUE_CHUNK == 0))  # `_vec_values`
+    n_grp = Dv // group if vector else 1
     x = np.empty(B * Dv, np.float32)
     sd = np.empty(n_sc, np.float32)
     zd = np.empty(n_sc, np.float32)
@@ -872,33 +882,39 @@ def _block_values(v_rows, j0, j1, v_layout, B, p, out):
             z_sum[:] = 0.0
         for j in range(j0, j1):
             row = _row_at(v_rows[j], vrb)
-            if vb == 16:
-                _f16_tile(row[2 * h * B * Dv : 2 * (h + 1) * B * Dv], x)
-                _tile_values(p[h], x, B, Dv, j * B, out[h])
-                continue
-            _tile_scales(row, h, n_sc, vb, vs, vcb, vng, sd, zd)
             if vector:
+                if vb != 16:
+                    _tile_scales(row, h, n_sc, vb, vs, vcb, vng, sd, zd)
                 for c in range(n_g4):
                     n_q = min(4, G - 4 * c)
                     for k in range(n_q):
                         m = 4 * c + k
                         pm = p[h, m, j * B : (j + 1) * B]
                         wk = w[k]
+                        if vb == 16:
+                            for t in range(B):
+                                wk[t, 0] = pm[t]
+                            continue
                         for g in range(n_grp):
                             zs = np.float32(0.0)
                             for t in range(B):
                                 wk[t, g] = pm[t] * sd[t * n_grp + g]
                                 zs += pm[t] * zd[t * n_grp + g]
                             z_sum[m, g] += zs
-                    _vec_values(n_q, vb, v_rows[j] + h * B * Dv * vb // 8, B, w, vg, acc[c])
+                    _vec_values(n_q, vb, v_rows[j] + h * B * Dv * vb // 8, B, w, group, acc[c])
                 continue
+            if vb == 16:
+                _f16_tile(row[2 * h * B * Dv : 2 * (h + 1) * B * Dv], x)
+                _tile_values(p[h], x, B, Dv, j * B, out[h])
+                continue
+            _tile_scales(row, h, n_sc, vb, vs, vcb, vng, sd, zd)
             _unpack_tile(row, h, B * Dv, vb, x)
             _dequantize_tile(x, B, Dv, vg, vc, sd, zd)
             _tile_values(p[h], x, B, Dv, j * B, out[h])
         if vector:
             for m in range(G):
                 for d in range(Dv):
-                    out[h, m, d] += acc[m // 4, m % 4, _chunk_order(vb, VALUE_CHUNK, d)] + z_sum[m, d // vg]
+                    out[h, m, d] += acc[m // 4, m % 4, _chunk_order(vb, VALUE_CHUNK, d)] + z_sum[m, d // group]
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
