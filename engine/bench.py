@@ -85,7 +85,7 @@ def run_bench(engine, specs: list[str], *, doc: Path = DEFAULT_DOC, questions: l
             engine.set_kv(spec)
             result = SpecResult(spec=str(engine.kv_config))
             session = Session(engine, ctx=ctx)
-            document = session.add_document(text=text, name=doc.name, prefill=False)
+            session.add_document(text=text, name=doc.name, prefill=False)
             stats = []
             with _Sampler(lambda: engine.kv_usage()[0]) as sampler:
                 for i, q in enumerate(questions):

@@ -144,7 +144,7 @@ def cmd_info(args) -> int:
     print(f"  layers         {model.n_layers} × dim {model.dim}; {model.n_heads} query heads, "
           f"{model.n_kv_heads} KV heads × {model.head_dim}")
     print(f"  context        {model.context_length:,} tokens; vocabulary {model.vocab_size:,}")
-    print(f"  tensor types   " + ", ".join(f"{k} ×{v}" for k, v in types.most_common()))
+    print("  tensor types   " + ", ".join(f"{k} ×{v}" for k, v in types.most_common()))
     print(f"  chat template  {'yes' if info['chat_template'] else 'no (plain completion)'}")
     kv = g.bytes_per_token()
     print(f"  KV cache       {kv / 1024:.1f} KiB/token at 16 bits "

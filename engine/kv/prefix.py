@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import struct
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
