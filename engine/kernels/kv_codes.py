@@ -36,7 +36,7 @@ from numba import carray, get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quant_matvec import _CONTRACT, _F32, _I8, _I16, _I32, _I64, _IR, _deq_f16, _u8_ptr, _vt
+from .quant_matvec import _CONTRACT, _F32, _I8, _I16, _I32, _I64, _IR, _data_ptr, _deq_f16, _u8_ptr, _vt
 
 # fast-math flags that let LLVM vectorize the float reductions (reassociate) and fuse multiply-adds,
 # without assuming the data is free of infinities / NaNs
@@ -553,10 +553,6 @@ VECTOR_BITS = (16, 8, 6, 5, 4, 3, 2)  # widths the intrinsics read (16: float16 
 SCORE_CHUNK, VALUE_CHUNK = 32, 16  # channels per step of the scores / values loops
 
 
-def _arr_ptr(context, builder, aty, aval):
-    return builder.bitcast(context.make_array(aty)(context, builder, aval).data, _I8.as_pointer())
-
-
 def _arr_dim(context, builder, aty, aval, axis):
     arr = context.make_array(aty)(context, builder, aval)
     return cgutils.unpack_tuple(builder, arr.shape, aty.ndim)[axis]
@@ -634,9 +630,9 @@ def _make_tile_scores(n_q):
             vf = _vt(_F32, 16)
             zero = ir.Constant(vf, [0.0] * 16)
             bits_v, tile, n_tok, group = args[0], builder.inttoptr(args[1], _I8.as_pointer()), args[2], args[5]
-            qs_p = _arr_ptr(context, builder, signature.args[3], args[3])
-            sc_p = _arr_ptr(context, builder, signature.args[4], args[4])
-            out_p = _arr_ptr(context, builder, signature.args[6], args[6])
+            qs_p = _data_ptr(context, builder, signature.args[3], args[3])
+            sc_p = _data_ptr(context, builder, signature.args[4], args[4])
+            out_p = _data_ptr(context, builder, signature.args[6], args[6])
             D = _arr_dim(context, builder, signature.args[3], args[3], 1)
             n_grp = _arr_dim(context, builder, signature.args[4], args[4], 1)
             out_cols = _arr_dim(context, builder, signature.args[6], args[6], 1)
@@ -697,8 +693,8 @@ def _make_tile_values(n_q):
             v = _IR(builder)
             vf = _vt(_F32, VALUE_CHUNK)
             bits_v, tile, n_tok, group = args[0], builder.inttoptr(args[1], _I8.as_pointer()), args[2], args[4]
-            w_p = _arr_ptr(context, builder, signature.args[3], args[3])
-            a_p = _arr_ptr(context, builder, signature.args[5], args[5])
+            w_p = _data_ptr(context, builder, signature.args[3], args[3])
+            a_p = _data_ptr(context, builder, signature.args[5], args[5])
             n_grp = _arr_dim(context, builder, signature.args[3], args[3], 2)
             w_q = builder.mul(builder.mul(n_tok, n_grp), _i64(4))  # bytes per query of w
             Dv = _arr_dim(context, builder, signature.args[5], args[5], 1)
@@ -733,7 +729,7 @@ def _make_tile_values(n_q):
 @intrinsic
 def _prefetch(typingctx, addr, n_bytes):
     """Ask the CPU to bring the n_bytes at address `addr` into cache (one prefetch per 64-byte
-    line, for reading). The decode step reads the next block's rows this way while it computes
+    line, for reading). The decode step reads the next block's tiles this way while it computes
     on the current one: blocks sit anywhere in their slabs, a few KiB each, too short a stream
     for the hardware prefetcher to ramp up on (measured: a 4,096-token layer's attention took
     ~3x its cache-hot time)."""
@@ -803,6 +799,7 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
     whole_rows = kc or kb == 16  # one group per row for the intrinsic (no scales, or folded ones)
     vector = D % SCORE_CHUNK == 0 and (whole_rows or kg % SCORE_CHUNK == 0)  # `_vec_scores` reads the codes
     n_grp = 1 if whole_rows else D // kg
+    tile_bytes = B * D * kb // 8  # one head's codes in a block row
     x = np.empty(B * D, np.float32)
     sd = np.empty(n_sc, np.float32)
     zd = np.empty(n_sc, np.float32)
@@ -831,7 +828,7 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
             _prefetch(k_rows[j + 1] + kcb, krb - kcb)
         for h in range(Hkv):
             if j + 1 < j1:  # the next block's tile of this head
-                _prefetch(k_rows[j + 1] + h * B * D * kb // 8, B * D * kb // 8)
+                _prefetch(k_rows[j + 1] + h * tile_bytes, tile_bytes)
             if vector:
                 if kb == 16:  # float16 values: no scales, bias 0
                     src = q_ordered[h]
@@ -848,14 +845,7 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
                     else:
                         sd_o[:] = sd[:D]
                         zd_o[:] = zd[:D]
-                    for m in range(G):
-                        qm = q_ordered[h, m]
-                        qsm = qs[m]
-                        b = np.float32(0.0)
-                        for i in range(D):
-                            qsm[i] = qm[i] * sd_o[i]
-                            b += qm[i] * zd_o[i]
-                        bias[m] = b
+                    _fold_channel_scales(q_ordered[h], sd_o, zd_o, qs, bias)
                     src = qs
                     sc = no_scales
                 else:
@@ -864,7 +854,7 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
                     sc = sd.reshape((B, n_grp))
                 for g0 in range(0, G, 4):
                     n_q = min(4, G - g0)
-                    _vec_scores(n_q, kb, k_rows[j] + h * B * D * kb // 8, B, src[g0 : g0 + n_q], sc,
+                    _vec_scores(n_q, kb, k_rows[j] + h * tile_bytes, B, src[g0 : g0 + n_q], sc,
                                 D if whole_rows else kg, out4)
                     for k in range(n_q):
                         m = g0 + k
@@ -911,11 +901,11 @@ def _block_values(v_rows, j0, j1, v_layout, B, p, out):
     acc = np.zeros((n_g4, 4, Dv), np.float32)
     w = np.zeros((4, B, n_grp), np.float32)  # p * scale per (query, token, group)
     z_sum = np.zeros((G, n_grp), np.float32)  # Σ_t p * offset: the same for a group's channels
+    tile_bytes = B * Dv * vb // 8  # one head's codes in a block row
     for h in range(Hkv):
         if vector:
             acc[:] = 0.0
             z_sum[:] = 0.0
-        tile_bytes = B * Dv * vb // 8
         for j in range(j0, j1):
             row = _row_at(v_rows[j], vrb)
             if j + 1 < j1:  # the next block's tile of this head, and its scales / mins
@@ -943,7 +933,7 @@ def _block_values(v_rows, j0, j1, v_layout, B, p, out):
                                 wk[t, g] = pm[t] * sd[t * n_grp + g]
                                 zs += pm[t] * zd[t * n_grp + g]
                             z_sum[m, g] += zs
-                    _vec_values(n_q, vb, v_rows[j] + h * B * Dv * vb // 8, B, w, group, acc[c])
+                    _vec_values(n_q, vb, v_rows[j] + h * tile_bytes, B, w, group, acc[c])
                 continue
             if vb == 16:
                 _f16_tile(row[2 * h * B * Dv : 2 * (h + 1) * B * Dv], x)
@@ -1030,10 +1020,11 @@ def decode_attention(k_rows, v_rows, k_layout, v_layout, B, q, scale, sink_k, si
         size 0 to skip.
     out: (Hkv, G, Dv) float32, written.
 
-    Quantized blocks are read from their codes by the vector intrinsics (`_vec_scores`,
-    `_vec_values`) when the shapes allow (head dims a multiple of 16, token-axis groups of 16 /
-    8 channels or more; channel-axis values excepted); float16 blocks and the other shapes are
-    decoded a (block, head) tile at a time into a float32 scratch first.
+    Blocks (float16 or quantized) are read by the vector intrinsics (`_vec_scores`, `_vec_values`)
+    when the shapes allow: for the scores a head dim and token-axis groups that are multiples of
+    SCORE_CHUNK, for the values multiples of VALUE_CHUNK and not channel-axis values. Other shapes
+    are decoded a (block, head) tile at a time into a float32 scratch first. The next block's
+    tiles are prefetched while the current one is computed on.
     """
     Hkv, G, D = q.shape
     nb = k_rows.shape[0]
