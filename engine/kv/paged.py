@@ -154,8 +154,7 @@ class PagedLayerCache(LayerKVCache):
 
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
         """Store keys/values (T, Hkv, D), (T, Hkv, Dv) without attending (e.g. `omlx kv-sim`)."""
-        if self.rotation is not None:
-            k = k @ self.rotation
+        _, k = self._rotated(None, k)
         self._append(_round_f16(k).transpose(1, 0, 2), _round_f16(v).transpose(1, 0, 2))
         self._free_out_of_window()
 
@@ -222,10 +221,7 @@ class PagedLayerCache(LayerKVCache):
         scores /= scores.sum(axis=-1, keepdims=True)
         p_old, p_recent = scores[:, :, :L_old], scores[:, :, L_old:]
         if self.track_attention:  # key positions old_first .. start+T-1 are contiguous
-            end = start + T
-            if self.attn_mass.shape[0] < end:
-                self.attn_mass = np.concatenate([self.attn_mass, np.zeros(end - self.attn_mass.shape[0], np.float32)])
-            self.attn_mass[old_first:end] += scores.sum(axis=(0, 1))
+            self._mass_upto(start + T)[old_first : start + T] += scores.sum(axis=(0, 1))
 
         p_fp = np.where(use_fp[None], p_recent, np.float32(0))
         out = np.matmul(p_fp, recent_v) + np.matmul(p_recent - p_fp, recent_vq)  # (Hkv, G*T, Dv)
@@ -244,13 +240,26 @@ class PagedLayerCache(LayerKVCache):
         Dv = out.shape[-1]
         return out.reshape(Hkv, G, T, Dv).transpose(2, 0, 1, 3).reshape(T, H, Dv)
 
+    def _rotated(self, q, k):
+        """(q, k) in the stored keys' basis: multiplied by the Hadamard rotation when the layout
+        has one (q·k unchanged); q may be None."""
+        if self.rotation is None:
+            return q, k
+        return (None if q is None else q @ self.rotation), k @ self.rotation
+
     def _as_stored(self, q, k, v):
         """New tokens as the cache stores them: (q rotated like the keys, k16 (Hkv, T, D), v16
         (Hkv, T, Dv)), keys rotated when the layout says so, both rounded to float16."""
-        if self.rotation is not None:
-            q = q @ self.rotation
-            k = k @ self.rotation
+        q, k = self._rotated(q, k)
         return q, _round_f16(k).transpose(1, 0, 2), _round_f16(v).transpose(1, 0, 2)
+
+    def _mass_upto(self, end: int) -> np.ndarray:
+        """attn_mass with room for positions < end (grown, doubling, with zeros)."""
+        if self.attn_mass.shape[0] < end:
+            grown = np.zeros(max(end, 2 * self.attn_mass.shape[0]), np.float32)
+            grown[: self.attn_mass.shape[0]] = self.attn_mass
+            self.attn_mass = grown
+        return self.attn_mass
 
     def _attend_many(self, q, k, v, scale, window):
         """`attend` for a batch of new tokens (prefill, teacher forcing): one BLAS product over
@@ -296,10 +305,8 @@ class PagedLayerCache(LayerKVCache):
         q_pos = np.arange(start, start + T)
         hi = q_pos - old_first + 1
         lo = np.zeros(T, np.int64) if window is None else np.maximum(0, q_pos - window + 1 - old_first)
-        if self.track_attention and self.attn_mass.shape[0] < start + T:
-            grown = np.zeros(start + T, np.float32)
-            grown[: self.attn_mass.shape[0]] = self.attn_mass
-            self.attn_mass = grown
+        if self.track_attention:
+            self._mass_upto(start + T)
         Dv = values.shape[-1]
         out = np.empty((T, Hkv, G, Dv), np.float32)
         # Rows in blocks of ATTEND_ROWS queries, each over the columns its rows can see: the score
@@ -343,9 +350,7 @@ class PagedLayerCache(LayerKVCache):
         tail (plus the new token) and every earlier full block is seen quantized."""
         _, H, D = q.shape
         Hkv, B, S = self.pool.n_kv_heads, self.B, self.n_sinks
-        if self.rotation is not None:
-            q = q @ self.rotation
-            k = k @ self.rotation
+        q, k = self._rotated(q, k)
         start, n = self.offset, self.n_tail
         self.tail_k[:, n] = k[0].astype(np.float16)  # float16-rounded, as stored everywhere else
         self.tail_v[:, n] = v[0].astype(np.float16)
@@ -356,11 +361,7 @@ class PagedLayerCache(LayerKVCache):
         n_sink_old = int(min(max(S - old_first, 0), len(self.block_table) * B))
         first_visible = 0 if window is None else max(0, start - window + 1 - old_first)
         if self.track_attention:  # key positions old_first .. start are contiguous
-            if self.attn_mass.shape[0] < start + 1:
-                grown = np.zeros(max(start + 1, 2 * self.attn_mass.shape[0]), np.float32)
-                grown[: self.attn_mass.shape[0]] = self.attn_mass
-                self.attn_mass = grown
-            mass = self.attn_mass[old_first : start + 1]
+            mass = self._mass_upto(start + 1)[old_first : start + 1]
         else:
             mass = _NO_MASS
         k_rows, v_rows = self._row_addresses()
@@ -570,10 +571,11 @@ _attention_warm = False
 
 
 def warm_up_attention() -> float:
-    """Compile, or load from numba's on-disk cache, the attention kernels (decode step, batched
-    softmax, the packed-code paths for 16-bit, 4-bit and 8-bit blocks) once per process, on a
-    tiny cache; logs the time (first start on a machine: seconds; later: a fraction of one).
-    Returns the seconds spent (0 when already done or numba is missing)."""
+    """Compile, or load from numba's on-disk cache, the attention kernels (the decode step with
+    every width's code path, the batched softmax) once per process, on a tiny cache; logs the
+    time (first start on a machine: tens of seconds; later: a fraction of one). One format is
+    enough: numba compiles per argument types, and every format's layout is the same tuple of
+    ints. Returns the seconds spent (0 when already done or numba is missing)."""
     global _attention_warm
     if _attention_warm or not HAVE_NUMBA:
         return 0.0
@@ -582,11 +584,10 @@ def warm_up_attention() -> float:
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
-    for spec in ("f16", "k4v4", "k8v8", "k6v4"):
-        layer = PagedKVCache(KVConfig.parse(spec + ",bs=16"), n_layers=1, n_kv_heads=1, head_dim=16)[0]
-        q, k = rng.standard_normal((40, 2, 16)).astype(np.float32), rng.standard_normal((40, 1, 16)).astype(np.float32)
-        layer.attend(q[:36], k[:36], k[:36], scale=0.25, window=None)  # batched: fills 2 blocks
-        layer.attend(q[36:37], k[36:37], k[36:37], scale=0.25, window=None)  # one decode step
+    layer = PagedKVCache(KVConfig.parse("k4v4,bs=16"), n_layers=1, n_kv_heads=1, head_dim=32)[0]
+    q, k = rng.standard_normal((40, 2, 32)).astype(np.float32), rng.standard_normal((40, 1, 32)).astype(np.float32)
+    layer.attend(q[:36], k[:36], k[:36], scale=0.25, window=None)  # batched: fills 2 blocks
+    layer.attend(q[36:37], k[36:37], k[36:37], scale=0.25, window=None)  # one decode step (intrinsics)
     _attention_warm = True
     seconds = time.perf_counter() - t0
     logging.getLogger("omlx.kernels").info("attention kernels ready in %.2f s", seconds)
