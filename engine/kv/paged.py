@@ -572,10 +572,11 @@ _attention_warm = False
 
 def warm_up_attention() -> float:
     """Compile, or load from numba's on-disk cache, the attention kernels (the decode step with
-    every width's code path, the batched softmax) once per process, on a tiny cache; logs the
-    time (first start on a machine: tens of seconds; later: a fraction of one). One format is
-    enough: numba compiles per argument types, and every format's layout is the same tuple of
-    ints. Returns the seconds spent (0 when already done or numba is missing)."""
+    every width's code path, the batched softmax, the packed-code kernels short batches use) once
+    per process, on a tiny cache; logs the time (first start on a machine: tens of seconds; later:
+    a fraction of one). One format is enough: numba compiles per argument types, and every
+    format's layout is the same tuple of ints. Returns the seconds spent (0 when already done or
+    numba is missing)."""
     global _attention_warm
     if _attention_warm or not HAVE_NUMBA:
         return 0.0
@@ -588,6 +589,7 @@ def warm_up_attention() -> float:
     q, k = rng.standard_normal((40, 2, 32)).astype(np.float32), rng.standard_normal((40, 1, 32)).astype(np.float32)
     layer.attend(q[:36], k[:36], k[:36], scale=0.25, window=None)  # batched: fills 2 blocks
     layer.attend(q[36:37], k[36:37], k[36:37], scale=0.25, window=None)  # one decode step (intrinsics)
+    layer.attend(q[37:40], k[37:40], k[37:40], scale=0.25, window=None)  # a short batch: packed-code path
     _attention_warm = True
     seconds = time.perf_counter() - t0
     logging.getLogger("omlx.kernels").info("attention kernels ready in %.2f s", seconds)
