@@ -26,6 +26,8 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from .errors import CatalogError  # noqa: F401  (re-exported)
 from typing import BinaryIO
 
 import platformdirs
@@ -40,10 +42,6 @@ PIP_STDERR_LINES = 12
 MODEL_FILE_MODE = 0o644
 
 Progress = Callable[[str, float], None]
-
-
-class CatalogError(Exception):
-    """A model cannot be named, found or fetched; the message says what to do about it."""
 
 
 @dataclass(frozen=True)

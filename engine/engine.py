@@ -16,6 +16,7 @@ from .gguf_file import GGUFError, GGUFFile
 from .kv.cache import KVCache
 from .kv.config import KVConfig, parse_kv
 from .kv.formats import get_format
+from .errors import KVPoolFull
 from .kv.paged import ContextFull, warm_up_attention
 from .memory import PeakRSS, release_free_heap
 from .models import load_model
@@ -30,8 +31,7 @@ LOGPROB_TOP_K = 32  # top entries kept per position by `teacher_forced` (the ref
 _LOGPROB_ROWS = 64
 
 
-class EngineError(Exception):
-    """A request the engine cannot serve; the message is meant for the user."""
+from .errors import EngineError  # noqa: E402,F401  (re-exported: callers import it from here)
 
 
 @dataclass
@@ -391,7 +391,7 @@ class Engine:
                 break
             try:
                 logits = self.model.forward([token], cache, "last")[0]
-            except (ContextFull, MemoryError):
+            except (ContextFull, KVPoolFull):
                 reason = "context_full"
                 break
             if len(ids) % 16 == 0:

@@ -28,11 +28,13 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from .errors import ModelError
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
 
-class GGUFError(Exception):
+class GGUFError(ModelError):
     """A GGUF file cannot be used; the message says why in words a user can act on."""
 
 

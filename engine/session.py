@@ -33,8 +33,7 @@ ANSWER_RESERVE = 256  # context tokens a pinned prefix must leave for a question
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".text", ".rst", ".csv", ".log", ".json", ".py"}
 
 
-class DocumentError(EngineError):
-    """A document that cannot be read or does not fit; the message is meant for the user."""
+from .errors import DocumentError  # noqa: E402,F401
 
 
 def read_document(path: str | Path) -> str:

@@ -34,10 +34,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from .errors import ModelError
+
 __all__ = ["StreamDecoder", "Tokenizer", "TokenizerError"]
 
 
-class TokenizerError(Exception):
+class TokenizerError(ModelError):
     """The vocabulary cannot be used, or a request on it is invalid; the message says why."""
 
 

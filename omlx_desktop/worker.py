@@ -33,6 +33,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal, Slot
 
+from engine.errors import describe
+
 log = logging.getLogger("omlx.desktop.worker")
 
 TOKEN_BATCH_S = 0.05        # coalesce streamed text into one signal per 50 ms
@@ -73,14 +75,9 @@ class KVHolder:
 
 
 def _message(exc: BaseException) -> str:
-    text = str(exc).strip()
-    known = ("EngineError", "DocumentError", "CatalogError", "GGUFError", "TokenizerError",
-             "KVConfigError", "UnsupportedArchitecture")
-    if not text:
-        return type(exc).__name__
-    if type(exc).__name__ in known or any(c.__name__ in known for c in type(exc).__mro__):
-        return text
-    return f"{type(exc).__name__}: {text}"
+    """The text shown for a failure: the error family's own message, "out of memory: …" for a
+    real MemoryError, the class name beside the text for anything else (a bug to report)."""
+    return describe(exc)[1]
 
 
 def is_frozen() -> bool:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from engine import weights
+from engine.errors import KVPoolFull
 from engine.gguf_file import GGUFFile
 from engine.kernels import HAVE_NUMBA
 from engine.kv.cache import FullPrecisionLayerCache, KVCache
@@ -649,7 +650,7 @@ def test_max_tokens_raises_memory_error(tiny):
         # decode never runs out; a one-pass prefill stores all its blocks before releasing any
         decode(tiny, cache, ids)
         assert cache.offset == 100 and all(p.n_used <= 1 for p in cache.pools)
-        with pytest.raises(MemoryError):
+        with pytest.raises(KVPoolFull):
             prefill(tiny, tiny.new_cache("k4v4,bs=16", max_tokens=64), ids)
         chunked(tiny, tiny.new_cache("k4v4,bs=16", max_tokens=64), ids, 32)  # chunks fit
         return
@@ -657,13 +658,13 @@ def test_max_tokens_raises_memory_error(tiny):
     decode(tiny, cache, ids[64:79])  # 79 tokens: 4 blocks + a 15-token tail
     assert cache.offset == 79
     state = _layer_state(cache)
-    with pytest.raises(MemoryError):
+    with pytest.raises(KVPoolFull):
         tiny.forward(ids[79:80], cache)  # the 80th token completes a fifth block
     assert _layer_state(cache) == state  # layer 0 refused first: nothing changed
     assert all(p.n_used == 4 for p in cache.pools)
     # a prompt that does not fit fails without keeping any block
     cache = tiny.new_cache("k4v4,bs=16", max_tokens=64)
-    with pytest.raises(MemoryError):
+    with pytest.raises(KVPoolFull):
         prefill(tiny, cache, ids)
     assert cache.offset == 0 and all(p.n_used == 0 for p in cache.pools)
     # after a trim the freed blocks can be used again
@@ -679,7 +680,7 @@ def test_max_tokens_raises_memory_error(tiny):
 def test_memory_error_leaves_the_layers_consistent(gemma6):
     ids = ids_for(gemma6, 40)
     cache = gemma6.new_cache("k4v4,bs=4", max_tokens=16)
-    with pytest.raises(MemoryError):
+    with pytest.raises(KVPoolFull):
         decode(gemma6, cache, ids)
     offsets = {layer.offset for layer in cache.layers}
     assert len(offsets) == 1, [layer.offset for layer in cache.layers]
@@ -696,7 +697,7 @@ def test_decode_into_a_full_pool_raises_before_changing_the_layer(use_kernels):
     layer = cache[0]
     layer.attend(q[:7], k[:7], v[:7], scale=0.125, window=None)  # one full block, 3 in the tail
     before = (layer.offset, layer.n_tail, list(layer.block_table), layer.tail_k.copy())
-    with pytest.raises(MemoryError):
+    with pytest.raises(KVPoolFull):
         layer.attend(q[7:], k[7:], v[7:], scale=0.125, window=None)
     assert (layer.offset, layer.n_tail, list(layer.block_table)) == before[:3]
     np.testing.assert_array_equal(layer.tail_k[:, :3], before[3][:, :3])

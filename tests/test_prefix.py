@@ -134,7 +134,7 @@ def test_a_full_pool_evicts_cached_blocks_for_a_new_sequence(tiny):
     cache.pin(list(other.chain_keys))
     other.release()
     third = cache.new_sequence()
-    with pytest.raises(MemoryError):
+    with pytest.raises(KVPoolFull):
         prefill(tiny, third, tokens(40, seed=7))
 
 

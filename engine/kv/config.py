@@ -53,6 +53,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..errors import SettingsError
+
 SUPPORTED_BITS = (16, 8, 6, 5, 4, 3, 2)
 PRESETS: dict[str, str] = {
     "high-precision": "k8v8",
@@ -121,7 +123,7 @@ _FIRST_LAST_RE = re.compile(r"(first|last)(\d+)")
 _AMBIGUOUS_RANGE_RE = re.compile(r"(-?\d+)-(-?\d+)")
 
 
-class KVConfigError(ValueError):
+class KVConfigError(SettingsError):
     """A KV cache spec or setting that cannot be used as written."""
 
 

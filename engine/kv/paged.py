@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import ContextFull, KVPoolFull  # noqa: F401  (ContextFull re-exported)
 from .cache import KVCache, LayerKVCache
 from .config import KVConfig
 from .formats import get_format, hadamard
@@ -102,7 +103,7 @@ class PagedLayerCache(LayerKVCache):
             if block is None:
                 for b in blocks:
                     self.pool.decref(b)
-                raise MemoryError("the KV block pool is full")
+                raise KVPoolFull("the KV block pool is full")
             blocks.append(block)
         k = recent_k[:, : n_full * B].reshape(Hkv, n_full, B, D).transpose(1, 0, 2, 3)
         v = recent_v[:, : n_full * B].reshape(Hkv, n_full, B, -1).transpose(1, 0, 2, 3)
@@ -532,7 +533,7 @@ class PagedLayerCache(LayerKVCache):
             for i, (where, old_block, _) in enumerate(moved):
                 new_block = allocate()
                 if new_block is None:
-                    raise MemoryError("the KV block pool is full")
+                    raise KVPoolFull("the KV block pool is full")
                 self.pool.write_rows(new_block, k_rows[i], self.pool.v_row(old_block))
                 self.pool.decref(old_block)
                 kept[where] = new_block
@@ -597,11 +598,6 @@ def warm_up_attention() -> float:
 
 
 OVERFLOW_POLICIES = ("stop", "rolling", "attention")
-
-
-class ContextFull(MemoryError):
-    """No room for the next tokens: the context limit under the `stop` policy, or nothing left
-    that the policy may drop (pinned prefix + new tokens exceed the context)."""
 
 
 class PagedKVCache(KVCache):
@@ -694,7 +690,7 @@ class PagedKVCache(KVCache):
         evicting unused cached blocks, when the pools are shared).
 
         Raises:
-            MemoryError: naming the layer whose pool is full.
+            KVPoolFull: naming the layer whose pool is full.
         """
         needs = {i: layer.blocks_needed(n_tokens)  # free blocks each short layer must reach
                  for i, (pool, layer) in enumerate(zip(self.pools, self.layers))
@@ -703,7 +699,7 @@ class PagedKVCache(KVCache):
             self.prefix_cache.evict(layer_needs=needs)
         for i, (pool, layer) in enumerate(zip(self.pools, self.layers)):
             if layer.blocks_needed(n_tokens) > pool.n_free:
-                raise MemoryError(f"the KV cache of layer {i} is full ({pool.max_blocks} blocks)")
+                raise KVPoolFull(f"the KV cache of layer {i} is full ({pool.max_blocks} blocks)")
 
     def protected_blocks(self) -> int:
         """Leading full blocks no policy drops: the pinned prefix, and the sink block(s) unless

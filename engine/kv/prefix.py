@@ -33,6 +33,7 @@ from typing import Iterable
 
 import numpy as np
 
+from ..errors import KVPoolFull
 from .config import KVConfig
 from .formats import get_format
 from .paged import PagedKVCache
@@ -412,6 +413,9 @@ class PrefixDiskStore:
                 log.warning("ignoring cached prefix %s: %s", path, exc)
                 path.unlink(missing_ok=True)
                 continue
+            except KVPoolFull as exc:
+                log.info("cached prefix %s not loaded: %s", path, exc)
+                continue
             except OSError as exc:
                 log.warning("cannot read cached prefix %s: %s", path, exc)
                 continue
@@ -474,7 +478,7 @@ class PrefixDiskStore:
         needs = {i: sum(p) for i, (p, _, _) in enumerate(rows)}
         cache.evict(layer_needs=needs)
         if any(cache.pools[i].n_free < need for i, need in needs.items()):
-            raise OSError("not enough KV memory to load it")
+            raise KVPoolFull("not enough free KV blocks to load the cached prefix")
         row_of = [np.cumsum(present) - 1 for present, _, _ in rows]  # block i → its row in the file
         for i, key in enumerate(keys):
             if key in cache.entries:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from ..errors import UnsupportedModel
 from ..gguf_file import GGUFError, GGUFFile
 from .base import BaseModel, KVGeometry
 
@@ -15,8 +16,8 @@ def supported_architectures() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_ARCHITECTURES)
 
 
-class UnsupportedArchitecture(GGUFError):
-    pass
+class UnsupportedArchitecture(UnsupportedModel, GGUFError):
+    """A GGUF file whose architecture no module here implements."""
 
 
 def _architecture_module(gguf: GGUFFile):
