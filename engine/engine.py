@@ -200,15 +200,10 @@ class Engine:
 
     def kv_scheme(self) -> list[tuple[str, str, str]]:
         """Per-layer K/V formats, run-length grouped: [(layers, K format, V format)]."""
-        rows = []
-        for i, prec in enumerate(self.kv_config.per_layer(self.model.n_layers)):
-            k, v = get_format(prec.k_bits, "k").name, get_format(prec.v_bits, "v").name
-            k, v = f"K{prec.k_bits} ({k})", f"V{prec.v_bits} ({v})"
-            if rows and rows[-1][1:] == (k, v) and rows[-1][0][1] == i - 1:
-                rows[-1] = ((rows[-1][0][0], i), k, v)
-            else:
-                rows.append(((i, i), k, v))
-        return [(f"{a}" if a == b else f"{a}-{b}", k, v) for (a, b), k, v in rows]
+        return [(run.selector,
+                 f"K{run.precision.k_bits} ({get_format(run.precision.k_bits, 'k').name})",
+                 f"V{run.precision.v_bits} ({get_format(run.precision.v_bits, 'v').name})")
+                for run in self.kv_config.layer_runs(self.model.n_layers)]
 
     def kv_bytes_per_token(self) -> float:
         """Bytes per token of full blocks under the current KV config (scales included)."""

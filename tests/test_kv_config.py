@@ -11,18 +11,19 @@ import pytest
 
 from engine.kv.config import (
     DEFAULT_PRESET,
+    PRESET_LABELS,
     PRESETS,
+    SELECTABLE_BITS,
     SUPPORTED_BITS,
     KVConfig,
     KVConfigError,
     LayerOverride,
     LayerPrecision,
-    bits_per_value,
+    LayerRun,
     estimate_bytes,
     parse_kv,
 )
 
-FORMATS_PY = Path(__file__).resolve().parents[1] / "engine" / "kv" / "formats.py"
 GIB = 2**30
 
 
@@ -247,6 +248,106 @@ def test_with_high_precision():
     assert h == KVConfig(8, 8, block_size=16, sinks=0, rotation=True)
     assert h.per_layer(18) == [P(8, 8)] * 18
     assert str(h) == "k8v8,bs=16,sinks=0,rot"
+
+
+def test_preset_lookup_labels_and_reverse():
+    assert [name for name, _ in KVConfig.presets()] == ["balanced", "memory-saver", "high-precision", "full"]
+    assert set(PRESET_LABELS) == set(PRESETS)
+    for name, label in KVConfig.presets():
+        config = KVConfig.preset(name)
+        assert config == KVConfig.parse(PRESETS[name]) and config.preset_name() == name
+        assert name == "full" or str(config).upper() in label
+    assert KVConfig.preset("Memory_Saver") == KVConfig(4, 4)
+    assert "did you mean 'balanced'" in errmsg(KVConfig.preset, "balancd")
+    assert KVConfig(5, 4).preset_name() is None
+    assert KVConfig(6, 4, rotation=True).preset_name() is None        # options count
+    assert KVConfig.parse("k6v4,0:k8v8").preset_name() is None
+
+
+def test_selectable_bits_ascending():
+    assert SELECTABLE_BITS == (2, 3, 4, 5, 6, 8, 16) and set(SELECTABLE_BITS) == set(SUPPORTED_BITS)
+
+
+def test_with_bits_keeps_overrides_and_options():
+    c = KVConfig.parse("k4v4,0-3:k8v8,bs=16,rot").with_bits(6, 2)
+    assert c == KVConfig.parse("k6v2,0-3:k8v8,bs=16,rot")
+    errmsg(KVConfig().with_bits, 7, 4)
+
+
+def test_with_overrides_from_a_layer_mapping_groups_runs():
+    over = {0: (8, 8), 1: (8, 8), 2: (8, 8), 5: "k4v2", 28: P(8, 8), 29: (8, 8), 7: (6, 4)}
+    c = KVConfig.parse("k6v4,3:k2v2,rot").with_overrides(over)
+    assert str(c) == "k6v4,0-2:k8v8,5:k4v2,28-29:k8v8,rot"    # layer 7 equals the base: left out
+    assert c.overrides == (LayerOverride(0, 2, P(8, 8)), LayerOverride(5, 5, P(4, 2)),
+                           LayerOverride(28, 29, P(8, 8)))
+    assert KVConfig.parse(str(c)) == c
+    layers = c.per_layer(30)
+    assert layers[:3] == [P(8, 8)] * 3 and layers[5] == P(4, 2) and layers[7] == P(6, 4)
+    assert KVConfig(4, 4).with_overrides({}) == KVConfig(4, 4)
+    assert KVConfig(6, 4).with_overrides({1: (8, 8), 2: (8, 4), 3: (8, 4)}).overrides == (
+        LayerOverride(1, 1, P(8, 8)), LayerOverride(2, 3, P(8, 4)))
+
+
+def test_with_overrides_from_a_list_keeps_order():
+    c = KVConfig(4, 4).with_overrides(["0-3:k8v8", ("-1", "f16"), LayerOverride(2, 2, P(6, 4))])
+    assert str(c) == "k4v4,0-3:k8v8,-1:k16v16,2:k6v4"
+    assert c.per_layer(6)[2] == P(6, 4)
+    assert KVConfig.parse("k4v4,0:k8v8").with_overrides(()) == KVConfig(4, 4)
+
+
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        ({-1: (8, 8)}, ["-1", "non-negative", "-2..-1:k8v8"]),
+        ({"3": (8, 8)}, ["'3'", "non-negative"]),
+        ({True: (8, 8)}, ["True"]),
+        ({2: (7, 8)}, ["layer 2", "7 bits", "did you mean 8"]),
+        ({2: "k8v9"}, ["layer 2", "9 bits"]),
+        ({2: 8}, ["layer 2", "8 is not a precision"]),
+        ("0-3:k8v8", ["tuple of overrides"]),
+    ],
+)
+def test_with_overrides_errors(overrides, needles):
+    msg = errmsg(KVConfig().with_overrides, overrides)
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_overrides_by_layer_is_the_inverse_of_with_overrides():
+    c = KVConfig.parse("k6v4,first3:k8v8,1:k6v4,last2:f16,10-11:k4v4,11:k6v4")
+    by_layer = c.overrides_by_layer(18)
+    assert by_layer == {0: P(8, 8), 2: P(8, 8), 10: P(4, 4), 16: P(16, 16), 17: P(16, 16)}
+    again = c.with_overrides(by_layer)
+    assert again.per_layer(18) == c.per_layer(18)
+    assert str(again) == "k6v4,0:k8v8,2:k8v8,10:k4v4,16-17:k16v16"
+    assert again.overrides_by_layer() == by_layer               # non-negative: no layer count needed
+    msg = errmsg(c.overrides_by_layer)
+    assert "'-2..-1:k16v16' counts layers from the end" in msg and "number of layers" in msg
+    assert "out of range" in errmsg(KVConfig.parse("k6v4,20:k8v8").overrides_by_layer, 18)
+
+
+def test_layer_runs_cover_every_layer():
+    c = KVConfig.parse("k6v4,0-2:k8v8,5:k4v2,-2..-1:k8v8")
+    runs = c.layer_runs(30)
+    assert [(r.selector, str(r.precision)) for r in runs] == [
+        ("0-2", "k8v8"), ("3-4", "k6v4"), ("5", "k4v2"), ("6-27", "k6v4"), ("28-29", "k8v8")]
+    assert [(r.first, r.last) for r in runs][:2] == [(0, 2), (3, 4)]
+    assert KVConfig(4, 4).layer_runs(1) == [LayerRun(0, 0, P(4, 4))]
+    assert KVConfig.parse("k4v4,0-1:k8v8,2-3:k8v8").layer_runs(4) == [LayerRun(0, 3, P(8, 8))]
+    errmsg(c.layer_runs, 0)
+
+
+def test_engine_kv_scheme_groups_layers_by_format():
+    from types import SimpleNamespace
+
+    from engine.engine import Engine
+    from engine.kv.formats import get_format
+
+    fake = SimpleNamespace(kv_config=KVConfig.parse("k6v4,0-1:k8v8,-1:k8v8"), model=SimpleNamespace(n_layers=5))
+    k8, v8 = get_format(8, "k").name, get_format(8, "v").name
+    k6, v4 = get_format(6, "k").name, get_format(4, "v").name
+    assert Engine.kv_scheme(fake) == [
+        ("0-1", f"K8 ({k8})", f"V8 ({v8})"), ("2-3", f"K6 ({k6})", f"V4 ({v4})"), ("4", f"K8 ({k8})", f"V8 ({v8})")]
 
 
 # ---- spec errors ---------------------------------------------------------------------------------
@@ -777,18 +878,6 @@ def test_estimate_accepts_spec_and_checks_layers(fake_formats):
     errmsg(estimate_bytes, KVConfig(), 2, 1, 8, -1)
 
 
-def test_bits_per_value_uses_formats(fake_formats):
-    assert bits_per_value(16, "k", 32, 128) == 16.0
-    assert bits_per_value(4, "v", 32, 128) == pytest.approx(4 + 16 / (32 * 128))
-    assert bits_per_value(8, "key", 32, 64) == pytest.approx(8 + 16 / (32 * 64))
-    errmsg(bits_per_value, 7, "k", 32, 128)
-    errmsg(bits_per_value, 4, "q", 32, 128)
-
-
-needs_formats = pytest.mark.skipif(not FORMATS_PY.exists(), reason="engine/kv/formats.py not written yet")
-
-
-@needs_formats
 def test_estimate_7b_geometry_with_real_formats(capsys):
     from engine.kv.formats import get_format
 
@@ -828,12 +917,9 @@ def test_estimate_7b_geometry_with_real_formats(capsys):
             print(f"  7B @32k {spec:>5}: {r['total'] / GIB:7.3f} GiB  {r['bits_per_value']:.3f} bits/value")
 
 
-@needs_formats
-def test_bits_per_value_matches_real_formats():
+def test_formats_bits_per_value_at_the_default_block():
     from engine.kv.formats import get_format
 
     for bits in SUPPORTED_BITS[1:]:
         for role in ("k", "v"):
-            expected = get_format(bits, role).bits_per_value(32, 128)
-            assert bits_per_value(bits, role, 32, 128) == pytest.approx(expected)
-            assert bits < bits_per_value(bits, role, 32, 128) < bits + 1.5
+            assert bits < get_format(bits, role).bits_per_value(32, 128) < bits + 1.5

@@ -52,6 +52,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import SettingsError
 
@@ -62,6 +63,14 @@ PRESETS: dict[str, str] = {
     "memory-saver": "k4v4",
     "full": "k16v16",
 }
+PRESET_LABELS: dict[str, str] = {  # the presets in menu order, with what a menu shows
+    "balanced": "Balanced (K6V4)",
+    "memory-saver": "Memory saver (K4V4)",
+    "high-precision": "High precision (K8V8)",
+    "full": "Full 16-bit",
+}
+SELECTABLE_BITS = tuple(sorted(SUPPORTED_BITS))
+"""The supported bit widths in ascending order, as a slider or a menu offers them."""
 DEFAULT_PRESET = "balanced"
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_SINKS = 4
@@ -339,6 +348,20 @@ def _parse_bool(value, name: str) -> bool:
     raise KVConfigError(f"{name}: {value!r} is not on/off (use true/false or 1/0)")
 
 
+def _coerce_precision(value, where: str) -> LayerPrecision:
+    """A LayerPrecision, (k, v) or a precision string such as 'k8v8' -> LayerPrecision."""
+    if isinstance(value, LayerPrecision):
+        return value
+    if isinstance(value, str):
+        return _parse_precision(value, where=where)
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        try:
+            return LayerPrecision(*value)
+        except KVConfigError as e:
+            raise KVConfigError(f"{where}: {e}") from None
+    raise KVConfigError(f"{where}: {value!r} is not a precision like 'k8v8'")
+
+
 def _coerce_override(item) -> LayerOverride:
     """LayerOverride, 'sel:prec', or (selector, precision) with precision a str, LayerPrecision or (k, v)."""
     if isinstance(item, LayerOverride):
@@ -348,16 +371,33 @@ def _coerce_override(item) -> LayerOverride:
     if isinstance(item, (tuple, list)) and len(item) == 2:
         selector, precision = item
         first, last = _parse_selector(str(selector))
-        if isinstance(precision, LayerPrecision):
-            prec = precision
-        elif isinstance(precision, str):
-            prec = _parse_precision(precision, where=f"override for layers '{selector}'")
-        elif isinstance(precision, (tuple, list)) and len(precision) == 2:
-            prec = LayerPrecision(*precision)
-        else:
-            raise KVConfigError(f"override for layers '{selector}': {precision!r} is not a precision like 'k8v8'")
-        return LayerOverride(first, last, prec)
+        return LayerOverride(first, last, _coerce_precision(precision, f"override for layers '{selector}'"))
     raise KVConfigError(f"{item!r} is not a layer override like '0-3:k8v8'")
+
+
+class LayerRun(NamedTuple):
+    """Consecutive layers first..last (inclusive, non-negative) at one precision."""
+
+    first: int
+    last: int
+    precision: LayerPrecision
+
+    @property
+    def selector(self) -> str:
+        """'5' for one layer, '0-3' for several."""
+        return _selector(self.first, self.last)
+
+
+def _runs(layers: Mapping[int, LayerPrecision]) -> list[LayerRun]:
+    """{layer: precision} grouped into runs of consecutive layers at the same precision."""
+    runs: list[LayerRun] = []
+    for i in sorted(layers):
+        precision = layers[i]
+        if runs and runs[-1].last == i - 1 and runs[-1].precision == precision:
+            runs[-1] = runs[-1]._replace(last=i)
+        else:
+            runs.append(LayerRun(i, i, precision))
+    return runs
 
 
 @dataclass
@@ -597,6 +637,24 @@ class KVConfig:
         return cls._from_partial(_parse_spec(spec))
 
     @classmethod
+    def preset(cls, name: str) -> "KVConfig":
+        """The preset called `name` (see PRESETS; any case, '_' for '-')."""
+        token = name.strip().lower().replace("_", "-") if isinstance(name, str) else name
+        if token not in PRESETS:
+            hint = _suggest(token, PRESETS) if isinstance(token, str) else ""
+            raise KVConfigError(f"unknown preset {name!r}{hint} (presets: {', '.join(PRESETS)})")
+        return cls.parse(PRESETS[token])
+
+    @staticmethod
+    def presets() -> list[tuple[str, str]]:
+        """(name, label) of every preset, in menu order."""
+        return list(PRESET_LABELS.items())
+
+    def preset_name(self) -> str | None:
+        """The name of the preset equal to this config (options included), or None."""
+        return next((name for name in PRESETS if KVConfig.preset(name) == self), None)
+
+    @classmethod
     def _from_partial(cls, p: _Partial) -> "KVConfig":
         default = _parse_precision(PRESETS[DEFAULT_PRESET])
         return cls(
@@ -748,6 +806,60 @@ class KVConfig:
         """The same config with K8V8 in every layer (overrides dropped; block size, sinks, rotation kept)."""
         return replace(self, k_bits=8, v_bits=8, overrides=())
 
+    @property
+    def base(self) -> LayerPrecision:
+        """The precision of every layer no override covers."""
+        return LayerPrecision(self.k_bits, self.v_bits)
+
+    def with_bits(self, k_bits: int, v_bits: int) -> "KVConfig":
+        """The same config with base precision kK_BITSvV_BITS (overrides and options kept)."""
+        return replace(self, k_bits=k_bits, v_bits=v_bits)
+
+    def with_overrides(self, overrides) -> "KVConfig":
+        """The same config with its layer overrides replaced by `overrides`, which is either
+
+        * {layer: precision}: a non-negative layer index to a LayerPrecision, (k, v) or 'k8v8'.
+          Consecutive layers at the same precision become one range and layers at the base
+          precision are left out, so str() is the shortest spec for that per-layer setting; or
+        * an iterable of overrides (LayerOverride, 'sel:prec', or (selector, precision)), kept in
+          order (a later one wins where two overlap).
+        """
+        if not isinstance(overrides, Mapping):
+            return replace(self, overrides=overrides)
+        layers = {}
+        for layer, precision in overrides.items():
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                raise KVConfigError(
+                    f"layer {layer!r} is not a non-negative layer index (for ranges or layers counted "
+                    f"from the end, give overrides like '-2..-1:k8v8')"
+                )
+            layers[layer] = _coerce_precision(precision, f"layer {layer}")
+        base = self.base
+        runs = _runs({i: p for i, p in layers.items() if p != base})
+        return replace(self, overrides=tuple(LayerOverride(r.first, r.last, r.precision) for r in runs))
+
+    def overrides_by_layer(self, n_layers: int | None = None) -> dict[int, LayerPrecision]:
+        """{layer: precision} for every layer whose precision differs from the base (the inverse
+        of `with_overrides` with a mapping). Without `n_layers` every override must use
+        non-negative indices, since a layer counted from the end needs the model's layer count."""
+        base = self.base
+        if n_layers is not None:
+            return {i: p for i, p in enumerate(self.per_layer(n_layers)) if p != base}
+        layers: dict[int, LayerPrecision] = {}
+        for override in self.overrides:
+            if override.first < 0 or override.last < 0:
+                raise KVConfigError(
+                    f"layer override '{override}' counts layers from the end: "
+                    "it needs the model's number of layers"
+                )
+            for i in range(override.first, override.last + 1):
+                layers[i] = override.precision
+        return {i: layers[i] for i in sorted(layers) if layers[i] != base}
+
+    def layer_runs(self, n_layers: int) -> list[LayerRun]:
+        """The model's layers 0..n_layers-1 as runs of consecutive layers at the same precision."""
+        return _runs(dict(enumerate(self.per_layer(n_layers))))
+
     def __str__(self) -> str:
         parts = [str(LayerPrecision(self.k_bits, self.v_bits))]
         parts += [str(o) for o in self.overrides]
@@ -797,32 +909,6 @@ def parse_kv(spec_or_preset: "str | KVConfig | None") -> KVConfig:
     if isinstance(spec_or_preset, KVConfig):
         return spec_or_preset
     return KVConfig.parse(spec_or_preset)
-
-
-_ROLES = {"k": "k", "key": "k", "keys": "k", "v": "v", "value": "v", "values": "v"}
-
-
-def _role(role: str) -> str:
-    token = role.strip().lower() if isinstance(role, str) else role
-    if token not in _ROLES:
-        raise KVConfigError(f"role {role!r} is not 'k' or 'v'")
-    return _ROLES[token]
-
-
-def bits_per_value(bits: int, role: str, block_size: int, head_dim: int) -> float:
-    """Stored bits per K or V element in a full block, scales included (16 for float16).
-
-    The layout comes from `engine.kv.formats.get_format(bits, role)`.
-    """
-    _check_bits(bits, "K" if _role(role) == "k" else "V")
-    block_size = _parse_int(block_size, "block_size", 1)
-    head_dim = _parse_int(head_dim, "head_dim", 1)
-    if bits == 16:
-        return 16.0
-    from .formats import get_format
-
-    nbytes = get_format(bits, _role(role)).bytes_per_block(1, block_size, head_dim)
-    return nbytes * 8 / (block_size * head_dim)
 
 
 def estimate_bytes(
