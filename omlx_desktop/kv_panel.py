@@ -1,7 +1,9 @@
 """The KV cache controls: K and V bits, presets, high-precision mode, per-layer precision,
-context window and overflow policy, with a live estimate of the cache at full context.
+context window and overflow policy, an import of a KV settings file, with a live estimate of the
+cache at full context.
 
-The panel only describes a setting; it knows nothing of the engine. It emits
+The panel only describes a setting; it knows nothing of the engine. The setting is a KVConfig
+(:meth:`config`, built with KVConfig's methods; :meth:`spec` is its canonical string). It emits
 ``settingsChanged({"spec", "ctx", "overflow"})`` on every change (the window hands it to the
 worker, which applies it before the next turn) and keeps its whole state in :meth:`state` /
 :meth:`set_state` (a JSON-able dict the window saves in the Store).
@@ -9,28 +11,22 @@ worker, which applies it before the next turn) and keeps its whole state in :met
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (
-    QAbstractItemView, QCheckBox, QComboBox, QFormLayout, QGridLayout, QHBoxLayout, QHeaderView,
-    QLabel, QPushButton, QSlider, QSpinBox, QStyledItemDelegate, QTableWidget,
+    QAbstractItemView, QCheckBox, QComboBox, QFileDialog, QFormLayout, QGridLayout, QHBoxLayout,
+    QHeaderView, QLabel, QPushButton, QSlider, QSpinBox, QStyledItemDelegate, QTableWidget,
     QTableWidgetItem, QToolButton, QVBoxLayout, QWidget,
 )
 
-from engine.kv.config import KVConfigError, estimate_bytes, parse_kv
+from engine.kv.config import DEFAULT_PRESET, SELECTABLE_BITS, KVConfig, KVConfigError, estimate_bytes
 from engine.kv.paged import OVERFLOW_POLICIES
 
 from .chart import format_bytes
 
-BITS = (2, 3, 4, 5, 6, 8, 16)
-PRESETS = (  # (label, name, (k, v)); the names are engine.kv.config.PRESETS'
-    ("Balanced (K6V4)", "balanced", (6, 4)),
-    ("Memory saver (K4V4)", "memory-saver", (4, 4)),
-    ("High precision (K8V8)", "high-precision", (8, 8)),
-    ("Full 16-bit", "full", (16, 16)),
-    ("Custom", "custom", None),
-)
-PRESET_BITS = {name: bits for _, name, bits in PRESETS if bits}
+CUSTOM = "custom"   # the preset box's entry for anything that is not a preset
 OVERFLOW_LABELS = {
     "stop": "Stop at the limit",
     "rolling": "Rolling (drop oldest)",
@@ -38,30 +34,18 @@ OVERFLOW_LABELS = {
 }
 DEFAULT_CTX = 4096
 MIN_CTX = 64
-HIGH_PRECISION = (8, 8)
+SETTINGS_FILTER = "KV settings (*.json *.toml);;All files (*)"
+
+
+def _within(overrides: dict[int, tuple[int, int]], n_layers: int | None) -> dict[int, tuple[int, int]]:
+    """The overrides of layers the model has (all of them while no model is known)."""
+    return {i: kv for i, kv in overrides.items() if n_layers is None or i < n_layers}
 
 
 def layer_spec(k: int, v: int, overrides: dict[int, tuple[int, int]], n_layers: int | None) -> str:
     """The spec string for base ``kKvV`` and per-layer ``overrides`` (layer -> (k, v)): runs of
     consecutive layers with the same precision become one ``a-b:kXvY`` item."""
-    parts = [f"k{k}v{v}"]
-    layers = sorted(i for i, kv in overrides.items() if kv != (k, v)
-                    and (n_layers is None or i < n_layers))
-    run: list[int] = []
-
-    def flush() -> None:
-        if run:
-            a, b = run[0], run[-1]
-            kk, vv = overrides[a]
-            parts.append(f"{a}:k{kk}v{vv}" if a == b else f"{a}-{b}:k{kk}v{vv}")
-            run.clear()
-
-    for i in layers:
-        if run and (i != run[-1] + 1 or overrides[i] != overrides[run[-1]]):
-            flush()
-        run.append(i)
-    flush()
-    return ",".join(parts)
+    return str(KVConfig(k, v).with_overrides(_within(overrides, n_layers)))
 
 
 class _BitsDelegate(QStyledItemDelegate):
@@ -69,7 +53,7 @@ class _BitsDelegate(QStyledItemDelegate):
 
     def createEditor(self, parent, option, index):  # noqa: N802
         box = QComboBox(parent)
-        box.addItems([str(b) for b in BITS])
+        box.addItems([str(b) for b in SELECTABLE_BITS])
         return box
 
     def setEditorData(self, editor, index):  # noqa: N802
@@ -84,8 +68,10 @@ class KVPanel(QWidget):
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
-        self._k, self._v = PRESET_BITS["balanced"]
-        self._preset = "balanced"
+        # the setting: base precision and options (no overrides) + per-layer precision by layer;
+        # a layer keeps its entry while it equals the base, so moving the sliders reveals it again
+        self._base = KVConfig.preset(DEFAULT_PRESET)
+        self._preset = DEFAULT_PRESET
         self._overrides: dict[int, tuple[int, int]] = {}
         self._hp = False
         self._before_hp: dict | None = None
@@ -96,9 +82,14 @@ class KVPanel(QWidget):
 
         # presets and high-precision mode
         self.preset_box = QComboBox()
-        for label, name, _ in PRESETS:
+        for name, label in KVConfig.presets():
             self.preset_box.addItem(label, name)
+        self.preset_box.addItem("Custom", CUSTOM)
         self.preset_box.setToolTip("Bits per stored key (K) and value (V) in the KV cache")
+        self.import_button = QPushButton("Import…")
+        self.import_button.setToolTip(
+            "Load KV cache settings from a JSON or TOML file: this app's keys (k_bits, v_bits, layers, "
+            "preset, spec, ...) or llama.cpp's cache_type_k / cache_type_v")
         self.high_precision = QCheckBox("High-precision mode (K8V8)")
         self.high_precision.setToolTip(
             "Switch every layer to 8-bit keys and values; switching it off restores the setting before")
@@ -129,7 +120,11 @@ class KVPanel(QWidget):
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
         form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
-        form.addRow("Preset", self.preset_box)
+        preset_row = QHBoxLayout()
+        preset_row.setContentsMargins(0, 0, 0, 0)
+        preset_row.addWidget(self.preset_box, 1)
+        preset_row.addWidget(self.import_button)
+        form.addRow("Preset", preset_row)
         form.addRow("Context", self.ctx_spin)
         form.addRow("At the limit", self.overflow_box)
 
@@ -141,6 +136,10 @@ class KVPanel(QWidget):
         self.spec_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.spec_label.setStyleSheet("color: palette(mid);")
         self.spec_label.setWordWrap(True)
+        self.import_label = QLabel()     # the last import's outcome (an error in red)
+        self.import_label.setWordWrap(True)
+        self.import_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.import_label.setVisible(False)
 
         # advanced: per layer
         self.advanced_button = QToolButton()
@@ -198,12 +197,14 @@ class KVPanel(QWidget):
         layout.addWidget(self.high_precision)
         layout.addWidget(self.estimate_label)
         layout.addWidget(self.spec_label)
+        layout.addWidget(self.import_label)
         layout.addWidget(self.advanced_button)
         layout.addWidget(self.advanced, 1)
         layout.addWidget(note)
         layout.addStretch(0)
 
         self.preset_box.activated.connect(self._preset_chosen)
+        self.import_button.clicked.connect(self._choose_settings_file)
         self.k_slider.valueChanged.connect(lambda _: self._slider_moved())
         self.v_slider.valueChanged.connect(lambda _: self._slider_moved())
         for box in (self.preset_box, self.overflow_box):
@@ -221,20 +222,24 @@ class KVPanel(QWidget):
 
     def _slider(self, role: str) -> tuple[QSlider, QLabel]:
         slider = QSlider(Qt.Orientation.Horizontal)
-        slider.setRange(0, len(BITS) - 1)
+        slider.setRange(0, len(SELECTABLE_BITS) - 1)
         slider.setPageStep(1)
         slider.setTickPosition(QSlider.TickPosition.TicksBelow)
         slider.setTickInterval(1)
-        slider.setToolTip(f"{role} bits: " + ", ".join(str(b) for b in BITS))
+        slider.setToolTip(f"{role} bits: " + ", ".join(str(b) for b in SELECTABLE_BITS))
         label = QLabel()
         label.setMinimumWidth(label.fontMetrics().horizontalAdvance(f"{role}: 16 bits") + 4)
         return slider, label
 
     # -- what the panel says --------------------------------------------------------------
+    def config(self) -> KVConfig:
+        """The KV cache setting the panel describes."""
+        if self._hp:
+            return self._base.with_high_precision()
+        return self._base.with_overrides(_within(self._overrides, self._n_layers))
+
     def spec(self) -> str:
-        k, v = HIGH_PRECISION if self._hp else (self._k, self._v)
-        overrides = {} if self._hp else self._overrides
-        return layer_spec(k, v, overrides, self._n_layers)
+        return str(self.config())
 
     def settings(self) -> dict:
         return {"spec": self.spec(), "ctx": self.ctx_spin.value(), "overflow": self.overflow()}
@@ -243,7 +248,7 @@ class KVPanel(QWidget):
         return self.overflow_box.currentData()
 
     def bits(self) -> tuple[int, int]:
-        return BITS[self.k_slider.value()], BITS[self.v_slider.value()]
+        return SELECTABLE_BITS[self.k_slider.value()], SELECTABLE_BITS[self.v_slider.value()]
 
     def preset(self) -> str:
         return self.preset_box.currentData()
@@ -255,8 +260,10 @@ class KVPanel(QWidget):
         return self._hp
 
     def _core(self) -> dict:
-        return {"k": self._k, "v": self._v, "preset": self._preset,
-                "overrides": {str(i): list(kv) for i, kv in sorted(self._overrides.items())}}
+        b = self._base
+        return {"k": b.k_bits, "v": b.v_bits, "preset": self._preset,
+                "overrides": {str(i): list(kv) for i, kv in sorted(self._overrides.items())},
+                "block_size": b.block_size, "sinks": b.sinks, "rotation": b.rotation}
 
     def state(self) -> dict:
         """Everything needed to restore the panel (JSON-able)."""
@@ -282,14 +289,21 @@ class KVPanel(QWidget):
         self._changed()
 
     def _set_core(self, core: dict) -> None:
-        k, v = int(core.get("k", 6)), int(core.get("v", 4))
-        self._k = k if k in BITS else 6
-        self._v = v if v in BITS else 4
-        self._preset = core.get("preset") if core.get("preset") in PRESET_BITS or \
-            core.get("preset") == "custom" else "custom"
+        """Restores a saved setting; a value no longer valid falls back to the default's."""
+        default = KVConfig.preset(DEFAULT_PRESET)
+        k, v = int(core.get("k", default.k_bits)), int(core.get("v", default.v_bits))
+        k = k if k in SELECTABLE_BITS else default.k_bits
+        v = v if v in SELECTABLE_BITS else default.v_bits
+        try:
+            self._base = KVConfig(k, v, block_size=core.get("block_size", default.block_size),
+                                  sinks=core.get("sinks", default.sinks),
+                                  rotation=core.get("rotation", default.rotation))
+        except KVConfigError:
+            self._base = default.with_bits(k, v)
+        self._preset = core.get("preset") if core.get("preset") in dict(KVConfig.presets()) else CUSTOM
         self._overrides = {int(i): (int(kv[0]), int(kv[1]))
                            for i, kv in (core.get("overrides") or {}).items()
-                           if int(kv[0]) in BITS and int(kv[1]) in BITS}
+                           if int(kv[0]) in SELECTABLE_BITS and int(kv[1]) in SELECTABLE_BITS}
 
     # -- the model ------------------------------------------------------------------------
     def set_model(self, info: dict | None) -> None:
@@ -314,8 +328,9 @@ class KVPanel(QWidget):
 
     # -- user actions ---------------------------------------------------------------------
     def select_preset(self, name: str) -> None:
-        """As choosing it in the box: a preset sets both sliders and clears per-layer
-        precision; "custom" keeps what is set."""
+        """As choosing it in the box: a preset sets both sliders, clears per-layer precision
+        and sets the options (block size, sinks, rotation) to the defaults; "custom" keeps what
+        is set."""
         index = self.preset_box.findData(name)
         if index < 0:
             raise ValueError(f"no preset {name!r}")
@@ -325,21 +340,21 @@ class KVPanel(QWidget):
     def _preset_chosen(self, index: int) -> None:
         name = self.preset_box.itemData(index)
         self._preset = name
-        if name in PRESET_BITS:
-            self._k, self._v = PRESET_BITS[name]
+        if name != CUSTOM:
+            self._base = KVConfig.preset(name)
             self._overrides = {}
         self._changed()
 
     def set_bits(self, k: int, v: int) -> None:
         """As moving the sliders (selects Custom)."""
-        self.k_slider.setValue(BITS.index(k))
-        self.v_slider.setValue(BITS.index(v))
+        self.k_slider.setValue(SELECTABLE_BITS.index(k))
+        self.v_slider.setValue(SELECTABLE_BITS.index(v))
 
     def _slider_moved(self) -> None:
         if self._updating or self._hp:
             return
-        self._k, self._v = self.bits()
-        self._preset = "custom"
+        self._base = self._base.with_bits(*self.bits())
+        self._preset = CUSTOM
         self._changed()
 
     def set_high_precision(self, on: bool) -> None:
@@ -358,29 +373,70 @@ class KVPanel(QWidget):
             self._before_hp = None
         self._changed()
 
-    def set_first_last(self, first: int, last: int, bits: tuple[int, int] = HIGH_PRECISION) -> None:
-        """Per-layer precision: the first ``first`` and last ``last`` layers at ``bits``,
-        the rest at the sliders' setting."""
+    def set_first_last(self, first: int, last: int, bits: tuple[int, int] | None = None) -> None:
+        """Per-layer precision: the first ``first`` and last ``last`` layers at ``bits``
+        (default: high precision, K8V8), the rest at the sliders' setting."""
         n = self._n_layers
         if not n:
             return
+        if bits is None:
+            high = self._base.with_high_precision().base
+            bits = (high.k_bits, high.v_bits)
         overrides = {i: bits for i in range(min(first, n))}
         overrides.update({i: bits for i in range(max(0, n - last), n)})
         self.set_overrides(overrides)
 
     def set_overrides(self, overrides: dict[int, tuple[int, int]]) -> None:
         self._overrides = {int(i): (int(k), int(v)) for i, (k, v) in overrides.items()}
-        if self._overrides and self._preset != "custom":
-            self._preset = "custom"
+        if self._overrides and self._preset != CUSTOM:
+            self._preset = CUSTOM
         self._changed()
 
     def set_layer(self, layer: int, k: int, v: int) -> None:
-        if (k, v) == (self._k, self._v):
+        if (k, v) == (self._base.k_bits, self._base.v_bits):
             self._overrides.pop(layer, None)
         else:
             self._overrides[layer] = (k, v)
-            self._preset = "custom"
+            self._preset = CUSTOM
         self._changed()
+
+    def import_settings(self, path) -> str | None:
+        """Applies a KV settings file (JSON or TOML, read by KVConfig.from_file: this app's keys
+        or llama.cpp's cache_type_k / cache_type_v) as the panel's setting, leaving high-precision
+        mode. Returns None once applied, else the error, which the panel also shows; on an error
+        nothing changes."""
+        try:
+            config = KVConfig.from_file(path)
+            try:
+                layers = config.overrides_by_layer(self._n_layers)
+            except KVConfigError as exc:
+                hint = "; load a model first" if self._n_layers is None else ""
+                raise KVConfigError(f"{path}: {exc}{hint}") from None
+        except KVConfigError as exc:
+            self._show_import(str(exc), error=True)
+            return str(exc)
+        self._hp = False
+        self._before_hp = None
+        self._base = config.with_overrides(())
+        self._overrides = {i: (p.k_bits, p.v_bits) for i, p in layers.items()}
+        self._preset = config.preset_name() or CUSTOM
+        self._changed()
+        self._show_import(f"Imported {Path(path).name}")
+        return None
+
+    def _choose_settings_file(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Import KV cache settings", "", SETTINGS_FILTER)
+        if path:
+            self.import_settings(path)
+
+    def _show_import(self, text: str, error: bool = False) -> None:
+        self.import_label.setStyleSheet("color: #dc2626;" if error else "color: palette(mid);")
+        self.import_label.setText(text)
+        self.import_label.setVisible(bool(text))
+
+    def import_message(self) -> str:
+        """What the last import said (its error, or which file it applied); '' after a change."""
+        return self.import_label.text()
 
     def _cell_edited(self, item: QTableWidgetItem) -> None:
         if self._updating or item.column() == 0:
@@ -388,22 +444,18 @@ class KVPanel(QWidget):
         row = item.row()
         try:
             bits = int(item.text().strip())
-            if bits not in BITS:
+            if bits not in SELECTABLE_BITS:
                 raise ValueError
         except ValueError:
             self._refresh()  # puts the old value back
             return
-        k, v = self._layer_bits(row)
+        layer = self.config().per_layer(self._n_layers)[row]
+        k, v = layer.k_bits, layer.v_bits
         if item.column() == 1:
             k = bits
         else:
             v = bits
         self.set_layer(row, k, v)
-
-    def _layer_bits(self, layer: int) -> tuple[int, int]:
-        if self._hp:
-            return HIGH_PRECISION
-        return self._overrides.get(layer, (self._k, self._v))
 
     def _toggle_advanced(self, open_: bool) -> None:
         self.advanced.setVisible(open_)
@@ -415,15 +467,18 @@ class KVPanel(QWidget):
     def _changed(self) -> None:
         if self._updating:
             return
+        if self.import_label.text():
+            self._show_import("")
         self._refresh()
         self.settingsChanged.emit(self.settings())
 
     def _refresh(self) -> None:
         self._updating = True
         try:
-            k, v = HIGH_PRECISION if self._hp else (self._k, self._v)
-            self.k_slider.setValue(BITS.index(k))
-            self.v_slider.setValue(BITS.index(v))
+            config = self.config()
+            k, v = config.k_bits, config.v_bits
+            self.k_slider.setValue(SELECTABLE_BITS.index(k))
+            self.v_slider.setValue(SELECTABLE_BITS.index(v))
             self.k_label.setText(f"K: {k} bits")
             self.v_label.setText(f"V: {v} bits")
             preset = "high-precision" if self._hp else self._preset
@@ -432,20 +487,19 @@ class KVPanel(QWidget):
             for w in (self.k_slider, self.v_slider, self.preset_box, self.table,
                       self.apply_first_last, self.clear_layers, self.first_spin, self.last_spin):
                 w.setEnabled(not self._hp and (w is not self.table or bool(self._n_layers)))
-            self._fill_table()
-            spec = self.spec()
-            self.spec_label.setText(f"Spec: {spec}")
-            self._update_estimate(spec)
+            self._fill_table(config)
+            self.spec_label.setText(f"Spec: {config}")
+            self._update_estimate(config)
         finally:
             self._updating = False
 
-    def _fill_table(self) -> None:
+    def _fill_table(self, config: KVConfig) -> None:
         n = self._n_layers or 0
         self.table.setRowCount(n)
         bold = QFont(self.table.font())
         bold.setBold(True)
-        for i in range(n):
-            k, v = self._layer_bits(i)
+        for i, layer in enumerate(config.per_layer(n) if n else []):
+            k, v = layer.k_bits, layer.v_bits
             overridden = not self._hp and i in self._overrides
             for col, text in ((0, str(i)), (1, str(k)), (2, str(v))):
                 item = self.table.item(i, col)
@@ -460,7 +514,7 @@ class KVPanel(QWidget):
                     flags |= Qt.ItemFlag.ItemIsEditable
                 item.setFlags(flags)
 
-    def _update_estimate(self, spec: str) -> None:
+    def _update_estimate(self, config: KVConfig) -> None:
         g = self._geometry
         ctx = self.ctx_spin.value()
         if not g:
@@ -469,8 +523,8 @@ class KVPanel(QWidget):
         try:
             args = dict(n_layers=g["n_layers"], n_kv_heads=g["n_kv_heads"], head_dim=g["head_dim"],
                         n_tokens=ctx, value_dim=g["value_dim"], windows=list(g["windows"]))
-            est = estimate_bytes(parse_kv(spec), **args)
-            full = estimate_bytes(parse_kv("full"), **args)
+            est = estimate_bytes(config, **args)
+            full = estimate_bytes(KVConfig.preset("full"), **args)
         except KVConfigError as exc:
             self.estimate_label.setText(f"<span style='color:#dc2626'>{exc}</span>")
             return
@@ -490,4 +544,4 @@ class KVPanel(QWidget):
         return hint.expandedTo(hint.__class__(320, hint.height()))
 
 
-__all__ = ["KVPanel", "BITS", "PRESETS", "layer_spec"]
+__all__ = ["KVPanel", "layer_spec"]
