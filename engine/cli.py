@@ -14,7 +14,7 @@ from pathlib import Path
 from . import catalog
 from .catalog import CatalogError
 from .gguf_file import GGUFError, GGUFFile
-from .kv.config import PRESETS, KVConfig, estimate_bytes, parse_kv
+from .kv.config import PRESETS, KVConfig, KVConfigError, estimate_bytes, parse_kv
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer, TokenizerError
 
@@ -427,11 +427,34 @@ def _kv_arg(text: str) -> str:
     return text
 
 
-def _add_kv(p: argparse.ArgumentParser, default: str | None) -> None:
-    shown = default or "balanced"
-    p.add_argument("--kv", type=_kv_arg, default=default, metavar="SPEC",
-                   help=f"KV cache: a preset ({', '.join(PRESETS)}) or a spec such as k6v4, "
-                        f"k4v4,0-3:k8v8,-2..-1:k8v8 (default: {shown})")
+def _kv_config_arg(path: str) -> str:
+    """--kv-config FILE: the file's KV setting as its canonical spec, the string --kv takes."""
+    try:
+        return str(KVConfig.from_file(path))
+    except KVConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+
+
+KV_CONFIG_HELP = ("KV cache settings from a JSON or TOML file: k_bits, v_bits, layers, preset, spec, "
+                  "block_size, sinks, rotation, or llama.cpp's cache_type_k/cache_type_v (not with --kv)")
+
+
+def _add_kv(p: argparse.ArgumentParser, default: str | None, *, several: bool = False,
+            help_text: str | None = None) -> None:
+    """--kv SPEC and --kv-config FILE, one or the other; both store a spec string in args.kv
+    (a list of them, in order, if `several`)."""
+    group = p.add_mutually_exclusive_group()
+    if several:
+        group.add_argument("--kv", action="append", type=_kv_arg, metavar="SPEC", help=help_text)
+        group.add_argument("--kv-config", action="append", dest="kv", type=_kv_config_arg, metavar="FILE",
+                           help=KV_CONFIG_HELP + "; repeatable")
+        return
+    help_text = help_text or (f"KV cache: a preset ({', '.join(PRESETS)}) or a spec such as k6v4, "
+                              f"k4v4,0-3:k8v8,-2..-1:k8v8 (default: {default or 'balanced'})")
+    group.add_argument("--kv", type=_kv_arg, default=default, metavar="SPEC", help=help_text)
+    # no default of its own: args.kv keeps --kv's unless the option is given
+    group.add_argument("--kv-config", dest="kv", type=_kv_config_arg, default=argparse.SUPPRESS,
+                       metavar="FILE", help=KV_CONFIG_HELP)
 
 
 def _add_session(p) -> None:
@@ -525,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--head-dim", type=int)
         p.add_argument("--value-dim", type=int, help="default: --head-dim")
         p.add_argument("--ctx", type=int, required=True, help="tokens of context")
-        p.add_argument("--kv", action="append", type=_kv_arg, help="a spec besides the presets (repeatable)")
+        _add_kv(p, None, several=True, help_text="a spec besides the presets (repeatable)")
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)
 
@@ -533,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=catalog.DEFAULT_MODEL, help=model_help)
     p.add_argument("--doc", help="document (default: the GPL-3 text in resources/bench)")
     p.add_argument("--questions", help="file with one question per line (default: resources/bench/questions.txt)")
-    p.add_argument("--kv", action="append", type=_kv_arg, help="KV spec (repeatable; default full, k8v8, k6v4, k4v4)")
+    _add_kv(p, None, several=True, help_text="KV spec (repeatable; default full, k8v8, k6v4, k4v4)")
     p.add_argument("--out", default="benchmarks/out/bench", help="folder for bench.md, bench.json, bench.png")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--ctx", type=int, help="context limit (default: the model's)")
@@ -544,7 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=model_help)
     p.add_argument("--text-file", required=True)
     p.add_argument("--n-tokens", type=int, default=2048)
-    p.add_argument("--kv", action="append", type=_kv_arg, help="spec to measure (repeatable)")
+    _add_kv(p, None, several=True, help_text="spec to measure (repeatable)")
     p.add_argument("--per-layer", action="store_true", help="each layer alone at 4 bits, the rest at 16")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval_kv)

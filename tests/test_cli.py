@@ -181,3 +181,89 @@ def test_eval_kv_prints_each_spec():
     assert [r["spec"] for r in rows] == ["k8v8", "k2v2"]
     assert rows[0]["mean_kl"] < rows[1]["mean_kl"]
     assert all(r["perplexity"] > 1 and r["kv_bytes"] > 0 for r in rows)
+
+
+KV_COMMANDS = {  # every command taking --kv, with the arguments it needs to parse
+    "tokenize": ["m", "text"],
+    "info": ["m"],
+    "generate": ["m", "--prompt", "hi"],
+    "logprobs": ["m", "--text-file", "t", "--n-tokens", "1", "--out", "o"],
+    "chat": [],
+    "ask": [],
+    "bench": [],
+    "eval-kv": ["m", "--text-file", "t"],
+    "kv-estimate": ["--ctx", "10"],
+    "kv-sim": ["--ctx", "10"],
+}
+SEVERAL = {"bench", "eval-kv", "kv-estimate", "kv-sim"}   # --kv repeatable: specs besides each other
+
+
+@pytest.fixture
+def llama_file(tmp_path):
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps({"cache_type_k": "q8_0", "cache_type_v": "q4_0", "layers": {"-1": "f16"}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", sorted(KV_COMMANDS))
+def test_kv_config_file_on_every_kv_command(command, llama_file, tmp_path, capsys):
+    from engine.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args([command, *KV_COMMANDS[command], "--kv-config", llama_file])
+    spec = "k8v4,-1:k16v16"
+    assert args.kv == ([spec] if command in SEVERAL else spec)
+    if command in SEVERAL:
+        toml = tmp_path / "kv.toml"
+        toml.write_text('kv = "memory-saver"\n')
+        args = parser.parse_args([command, *KV_COMMANDS[command], "--kv-config", llama_file,
+                                  "--kv-config", str(toml)])
+        assert args.kv == [spec, "k4v4"]
+    else:  # without the option, --kv's default stands
+        assert parser.parse_args([command, *KV_COMMANDS[command]]).kv in (None, "full")
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args([command, *KV_COMMANDS[command], "--kv", "k4v4", "--kv-config", llama_file])
+    assert exit_.value.code == 2
+    assert "--kv-config: not allowed with argument --kv" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content, needles",
+    [
+        ({"cache_typ_k": "q8_0"}, ["unknown setting 'cache_typ_k'", "did you mean 'cache_type_k'?"]),
+        ({"cache_type_v": "q4_O"}, ["cache_type_v: 'q4_O' is not a supported cache type", "did you mean 'q4_0'?"]),
+        ({"k_bits": 7}, ["k_bits: 7 bits is not a supported K precision", "did you mean 8?"]),
+    ],
+)
+def test_kv_config_errors_are_messages_not_tracebacks(tmp_path, content, needles):
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps(content))
+    proc = omlx("kv-estimate", "--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--ctx", "100",
+                "--kv-config", str(path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"argument --kv-config: {path}: " in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, (needle, proc.stderr)
+    missing = omlx("info", "gemma3-270m", "--kv-config", str(tmp_path / "nowhere.toml"))
+    assert missing.returncode == 2 and "no such settings file" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_kv_config_file_sets_the_cache(tmp_path, llama_file):
+    estimate = omlx("kv-estimate", "--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--ctx", "1000",
+                    "--kv-config", llama_file, "--json")
+    assert estimate.returncode == 0, estimate.stderr
+    rows = {r["spec"]: r for r in json.loads(estimate.stdout)["rows"]}
+    by_spec = json.loads(omlx("kv-estimate", "--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--ctx",
+                              "1000", "--kv", "k8v4,-1:f16", "--json").stdout)["rows"]
+    assert rows["k8v4,-1:k16v16"]["bytes"] == by_spec[-1]["bytes"]
+
+    info = json.loads(omlx("info", "gemma3-270m", "--kv-config", llama_file, "--json").stdout)
+    assert info["kv_spec"] == "k8v4,-1:k16v16"
+
+    toml = tmp_path / "kv.toml"
+    toml.write_text('[kv]\ntype_k = "q4_0"\ntype_v = "q4_0"\n')
+    proc = omlx("generate", SMOL, "--prompt", "The capital of France is", "--max-tokens", "8",
+                "--kv-config", str(toml), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "KV cache k4v4" in proc.stderr                    # the scheme logged at load
+    assert json.loads(proc.stdout)["stats"]["kv_bytes"] > 0
