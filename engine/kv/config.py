@@ -34,6 +34,13 @@ model's layers is an error, never clipped.
 (``first4`` is written ``0-3``, ``last2`` is written ``-2..-1``), then the options that differ from
 their defaults (``bs=``, ``sinks=``, ``rot``). It parses back to an equal config.
 
+Everyone builds and reads a config through its methods rather than by writing spec strings: the
+presets (``KVConfig.preset(name)``, ``KVConfig.presets()`` with their menu labels, ``preset_name``),
+``with_bits``, ``with_overrides`` (a {layer: precision} mapping, grouped into ranges, or a list of
+overrides), ``with_high_precision``, ``overrides_by_layer`` and ``layer_runs`` (the model's layers
+as runs at one precision). The CLI's ``--kv SPEC`` parses a spec; its ``--kv-config FILE`` and the
+desktop KV panel's import read a settings file.
+
 Settings (``KVConfig.from_settings`` / ``KVConfig.from_file``) take the keys ``k_bits``,
 ``v_bits``, ``layers``, ``block_size``, ``sinks``, ``rotation``, ``preset`` and ``spec``, plus
 llama.cpp's ``cache_type_k``/``cache_type_v`` (and ``type_k``/``type_v``) with llama.cpp type names
@@ -75,50 +82,6 @@ DEFAULT_PRESET = "balanced"
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_SINKS = 4
 
-LLAMA_CPP_TYPES: dict[str, int] = {
-    "f16": 16,
-    "fp16": 16,
-    "bf16": 16,
-    "q8_0": 8,
-    "q6_0": 6,
-    "q6_k": 6,
-    "q5_0": 5,
-    "q5_1": 5,
-    "q5_k": 5,
-    "q4_0": 4,
-    "q4_1": 4,
-    "q4_k": 4,
-    "iq4_nl": 4,
-    "q3_k": 3,
-    "q2_k": 2,
-}
-"""llama.cpp cache type names (case-insensitive) and the bit width they map to here."""
-
-_REJECTED_TYPES = {
-    "f32": "f32 is not supported: this cache stores at most 16 bits per value; use 'f16' for a full-precision cache",
-    "fp32": "fp32 is not supported: this cache stores at most 16 bits per value; use 'f16' for a full-precision cache",
-}
-
-SETTING_KEYS = (
-    "k_bits",
-    "v_bits",
-    "layers",
-    "block_size",
-    "sinks",
-    "rotation",
-    "preset",
-    "spec",
-    "cache_type_k",
-    "cache_type_v",
-    "type_k",
-    "type_v",
-)
-_K_KEYS = ("k_bits", "cache_type_k", "type_k")
-_V_KEYS = ("v_bits", "cache_type_v", "type_v")
-_LAYER_PRECISION_KEYS = _K_KEYS + _V_KEYS
-_LAYER_ITEM_KEYS = ("layers",) + _LAYER_PRECISION_KEYS
-_FILE_SECTIONS = ("kv",)
-
 _PRECISION_ALIASES = {"f16": (16, 16), "fp16": (16, 16)}
 _OPTION_NAMES = ("bs", "block_size", "sinks", "rot", "rotation")
 _TRUE = ("1", "true", "on", "yes")
@@ -130,6 +93,9 @@ _DASH_RANGE_RE = re.compile(r"(\d+)-(\d+)")
 _DOT_RANGE_RE = re.compile(r"(-?\d+)\.\.(-?\d+)")
 _FIRST_LAST_RE = re.compile(r"(first|last)(\d+)")
 _AMBIGUOUS_RANGE_RE = re.compile(r"(-?\d+)-(-?\d+)")
+
+
+# -- spec grammar: precisions, layer selectors, options ----------------------------------------
 
 
 class KVConfigError(SettingsError):
@@ -464,143 +430,7 @@ def _parse_spec(spec: str) -> _Partial:
     return out
 
 
-def _normalize_key(key) -> str:
-    if not isinstance(key, str):
-        raise KVConfigError(f"setting name {key!r} is not a string")
-    return key.strip().lower().replace("-", "_")
-
-
-def _llama_type(value, key: str, role: str) -> int:
-    """A llama.cpp cache type name (or a bit count) → bits."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        try:
-            return _check_bits(value, role)
-        except KVConfigError as e:
-            raise KVConfigError(f"{key}: {e}") from None
-    if not isinstance(value, str):
-        raise KVConfigError(f"{key}: {value!r} is not a cache type like 'q8_0' or 'f16'")
-    token = value.strip().lower()
-    if token in LLAMA_CPP_TYPES:
-        return LLAMA_CPP_TYPES[token]
-    if token in _REJECTED_TYPES:
-        raise KVConfigError(f"{key}: {_REJECTED_TYPES[token]}")
-    if token.isdigit():
-        return _llama_type(int(token), key, role)
-    raise KVConfigError(
-        f"{key}: '{value}' is not a supported cache type{_suggest(token, LLAMA_CPP_TYPES, cutoff=0.5)} "
-        f"(supported: {', '.join(LLAMA_CPP_TYPES)})"
-    )
-
-
-def _bits_setting(value, key: str, role: str) -> int:
-    """k_bits / v_bits: a whole number of bits."""
-    if isinstance(value, str):
-        token = value.strip().lower()
-        if token.isdigit():
-            value = int(token)
-        elif token in LLAMA_CPP_TYPES or token in _REJECTED_TYPES:
-            other = "cache_type_k" if role == "K" else "cache_type_v"
-            raise KVConfigError(
-                f"{key}: takes a number of bits ({_bits_list()}); for llama.cpp type names use {other} = '{value}'"
-            )
-    try:
-        return _check_bits(value, role)
-    except KVConfigError as e:
-        raise KVConfigError(f"{key}: {e}") from None
-
-
-def _precision_from(sources: dict, role: str, where: str = "") -> int | None:
-    """The bits `sources` ({label: bits}) agree on, or None; KVConfigError if they disagree."""
-    if len(set(sources.values())) > 1:
-        described = ", ".join(
-            label if label.startswith(("k_bits", "v_bits")) else f"{label} ({bits} bits)"
-            for label, bits in sources.items()
-        )
-        prefix = f"{where}: " if where else ""
-        raise KVConfigError(f"{prefix}conflicting {role} precision settings: {described} — give only one")
-    return next(iter(sources.values()), None)
-
-
-def _value_label(key: str, value) -> str:
-    return f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
-
-
-def _check_keys(keys, valid, where: str) -> None:
-    unknown = [k for k in keys if _normalize_key(k) not in valid]
-    if unknown:
-        problems = "; ".join(f"unknown setting '{k}'{_suggest(_normalize_key(k), valid)}" for k in unknown)
-        raise KVConfigError(f"{where}{problems} (valid settings: {', '.join(valid)})")
-
-
-def _layer_entry(selector, value, base: LayerPrecision, where: str) -> LayerOverride:
-    """One `layers` entry: selector → 'k8v8' | preset | {k_bits, v_bits, cache_type_k, ...}."""
-    try:
-        first, last = _parse_selector(str(selector))
-    except KVConfigError as e:
-        raise KVConfigError(f"{where}: {e}") from None
-    label = f"{where}['{selector}']"
-    if isinstance(value, LayerPrecision):
-        prec = value
-    elif isinstance(value, str):
-        prec = _parse_precision(value, where=label)
-    elif isinstance(value, Mapping):
-        _check_keys(value, _LAYER_PRECISION_KEYS, f"{label}: ")
-        entries = {_normalize_key(k): v for k, v in value.items()}
-        if not entries:
-            raise KVConfigError(f"{label}: empty — give k_bits and/or v_bits (or a precision like 'k8v8')")
-        k = _precision_from(_role_sources(entries, _K_KEYS, "K", label), "K", label)
-        v = _precision_from(_role_sources(entries, _V_KEYS, "V", label), "V", label)
-        prec = LayerPrecision(base.k_bits if k is None else k, base.v_bits if v is None else v)
-    else:
-        raise KVConfigError(f"{label}: {value!r} is not a precision like 'k8v8'")
-    return LayerOverride(first, last, prec)
-
-
-def _role_sources(entries: dict, keys: tuple, role: str, where: str = "") -> dict:
-    prefix = f"{where}: " if where else ""
-    sources = {}
-    for key in keys:
-        if key in entries:
-            value = entries[key]
-            try:
-                bits = _bits_setting(value, key, role) if key.endswith("_bits") else _llama_type(value, key, role)
-            except KVConfigError as e:
-                raise KVConfigError(f"{prefix}{e}") from None
-            sources[_value_label(key, value)] = bits
-    return sources
-
-
-def _layer_overrides(value, base: LayerPrecision) -> list[LayerOverride]:
-    """The `layers` setting: a mapping, a list of entries, or a comma-separated override string."""
-    if isinstance(value, Mapping):
-        return [_layer_entry(sel, prec, base, "layers") for sel, prec in value.items()]
-    if isinstance(value, str):
-        try:
-            return [_parse_override(item) for item in value.split(",") if item.strip()]
-        except KVConfigError as e:
-            raise KVConfigError(f"layers: {e}") from None
-    if isinstance(value, (list, tuple)):
-        out = []
-        for n, item in enumerate(value):
-            where = f"layers[{n}]"
-            if isinstance(item, str):
-                try:
-                    out.append(_parse_override(item))
-                except KVConfigError as e:
-                    raise KVConfigError(f"{where}: {e}") from None
-            elif isinstance(item, Mapping):
-                _check_keys(item, _LAYER_ITEM_KEYS, f"{where}: ")
-                entries = {_normalize_key(k): v for k, v in item.items()}
-                if "layers" not in entries:
-                    raise KVConfigError(f"{where}: missing 'layers' (the layer selector, e.g. \"0-3\")")
-                selector = entries.pop("layers")
-                out.append(_layer_entry(selector, entries, base, where))
-            elif isinstance(item, (list, tuple)) and len(item) == 2:
-                out.append(_layer_entry(item[0], item[1], base, where))
-            else:
-                raise KVConfigError(f"{where}: {item!r} is not a layer override like '0-3:k8v8'")
-        return out
-    raise KVConfigError(f"layers: {value!r} is not a mapping like {{\"0-3\": \"k8v8\"}} or a list of overrides")
+# -- the config ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -872,6 +702,202 @@ class KVConfig:
         return ",".join(parts)
 
 
+def parse_kv(spec_or_preset: "str | KVConfig | None") -> KVConfig:
+    """A KVConfig from a spec or preset name; None gives the default preset ('balanced')."""
+    if spec_or_preset is None:
+        return KVConfig.parse(DEFAULT_PRESET)
+    if isinstance(spec_or_preset, KVConfig):
+        return spec_or_preset
+    return KVConfig.parse(spec_or_preset)
+
+
+# -- settings: mappings and files, with llama.cpp's names -------------------------------------
+
+
+LLAMA_CPP_TYPES: dict[str, int] = {
+    "f16": 16,
+    "fp16": 16,
+    "bf16": 16,
+    "q8_0": 8,
+    "q6_0": 6,
+    "q6_k": 6,
+    "q5_0": 5,
+    "q5_1": 5,
+    "q5_k": 5,
+    "q4_0": 4,
+    "q4_1": 4,
+    "q4_k": 4,
+    "iq4_nl": 4,
+    "q3_k": 3,
+    "q2_k": 2,
+}
+"""llama.cpp cache type names (case-insensitive) and the bit width they map to here."""
+
+_REJECTED_TYPES = {
+    "f32": "f32 is not supported: this cache stores at most 16 bits per value; use 'f16' for a full-precision cache",
+    "fp32": "fp32 is not supported: this cache stores at most 16 bits per value; use 'f16' for a full-precision cache",
+}
+
+SETTING_KEYS = (
+    "k_bits",
+    "v_bits",
+    "layers",
+    "block_size",
+    "sinks",
+    "rotation",
+    "preset",
+    "spec",
+    "cache_type_k",
+    "cache_type_v",
+    "type_k",
+    "type_v",
+)
+_K_KEYS = ("k_bits", "cache_type_k", "type_k")
+_V_KEYS = ("v_bits", "cache_type_v", "type_v")
+_LAYER_PRECISION_KEYS = _K_KEYS + _V_KEYS
+_LAYER_ITEM_KEYS = ("layers",) + _LAYER_PRECISION_KEYS
+_FILE_SECTIONS = ("kv",)
+
+
+def _normalize_key(key) -> str:
+    if not isinstance(key, str):
+        raise KVConfigError(f"setting name {key!r} is not a string")
+    return key.strip().lower().replace("-", "_")
+
+
+def _llama_type(value, key: str, role: str) -> int:
+    """A llama.cpp cache type name (or a bit count) → bits."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return _check_bits(value, role)
+        except KVConfigError as e:
+            raise KVConfigError(f"{key}: {e}") from None
+    if not isinstance(value, str):
+        raise KVConfigError(f"{key}: {value!r} is not a cache type like 'q8_0' or 'f16'")
+    token = value.strip().lower()
+    if token in LLAMA_CPP_TYPES:
+        return LLAMA_CPP_TYPES[token]
+    if token in _REJECTED_TYPES:
+        raise KVConfigError(f"{key}: {_REJECTED_TYPES[token]}")
+    if token.isdigit():
+        return _llama_type(int(token), key, role)
+    raise KVConfigError(
+        f"{key}: '{value}' is not a supported cache type{_suggest(token, LLAMA_CPP_TYPES, cutoff=0.5)} "
+        f"(supported: {', '.join(LLAMA_CPP_TYPES)})"
+    )
+
+
+def _bits_setting(value, key: str, role: str) -> int:
+    """k_bits / v_bits: a whole number of bits."""
+    if isinstance(value, str):
+        token = value.strip().lower()
+        if token.isdigit():
+            value = int(token)
+        elif token in LLAMA_CPP_TYPES or token in _REJECTED_TYPES:
+            other = "cache_type_k" if role == "K" else "cache_type_v"
+            raise KVConfigError(
+                f"{key}: takes a number of bits ({_bits_list()}); for llama.cpp type names use {other} = '{value}'"
+            )
+    try:
+        return _check_bits(value, role)
+    except KVConfigError as e:
+        raise KVConfigError(f"{key}: {e}") from None
+
+
+def _precision_from(sources: dict, role: str, where: str = "") -> int | None:
+    """The bits `sources` ({label: bits}) agree on, or None; KVConfigError if they disagree."""
+    if len(set(sources.values())) > 1:
+        described = ", ".join(
+            label if label.startswith(("k_bits", "v_bits")) else f"{label} ({bits} bits)"
+            for label, bits in sources.items()
+        )
+        prefix = f"{where}: " if where else ""
+        raise KVConfigError(f"{prefix}conflicting {role} precision settings: {described} — give only one")
+    return next(iter(sources.values()), None)
+
+
+def _value_label(key: str, value) -> str:
+    return f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
+
+
+def _check_keys(keys, valid, where: str) -> None:
+    unknown = [k for k in keys if _normalize_key(k) not in valid]
+    if unknown:
+        problems = "; ".join(f"unknown setting '{k}'{_suggest(_normalize_key(k), valid)}" for k in unknown)
+        raise KVConfigError(f"{where}{problems} (valid settings: {', '.join(valid)})")
+
+
+def _layer_entry(selector, value, base: LayerPrecision, where: str) -> LayerOverride:
+    """One `layers` entry: selector → 'k8v8' | preset | {k_bits, v_bits, cache_type_k, ...}."""
+    try:
+        first, last = _parse_selector(str(selector))
+    except KVConfigError as e:
+        raise KVConfigError(f"{where}: {e}") from None
+    label = f"{where}['{selector}']"
+    if isinstance(value, LayerPrecision):
+        prec = value
+    elif isinstance(value, str):
+        prec = _parse_precision(value, where=label)
+    elif isinstance(value, Mapping):
+        _check_keys(value, _LAYER_PRECISION_KEYS, f"{label}: ")
+        entries = {_normalize_key(k): v for k, v in value.items()}
+        if not entries:
+            raise KVConfigError(f"{label}: empty — give k_bits and/or v_bits (or a precision like 'k8v8')")
+        k = _precision_from(_role_sources(entries, _K_KEYS, "K", label), "K", label)
+        v = _precision_from(_role_sources(entries, _V_KEYS, "V", label), "V", label)
+        prec = LayerPrecision(base.k_bits if k is None else k, base.v_bits if v is None else v)
+    else:
+        raise KVConfigError(f"{label}: {value!r} is not a precision like 'k8v8'")
+    return LayerOverride(first, last, prec)
+
+
+def _role_sources(entries: dict, keys: tuple, role: str, where: str = "") -> dict:
+    prefix = f"{where}: " if where else ""
+    sources = {}
+    for key in keys:
+        if key in entries:
+            value = entries[key]
+            try:
+                bits = _bits_setting(value, key, role) if key.endswith("_bits") else _llama_type(value, key, role)
+            except KVConfigError as e:
+                raise KVConfigError(f"{prefix}{e}") from None
+            sources[_value_label(key, value)] = bits
+    return sources
+
+
+def _layer_overrides(value, base: LayerPrecision) -> list[LayerOverride]:
+    """The `layers` setting: a mapping, a list of entries, or a comma-separated override string."""
+    if isinstance(value, Mapping):
+        return [_layer_entry(sel, prec, base, "layers") for sel, prec in value.items()]
+    if isinstance(value, str):
+        try:
+            return [_parse_override(item) for item in value.split(",") if item.strip()]
+        except KVConfigError as e:
+            raise KVConfigError(f"layers: {e}") from None
+    if isinstance(value, (list, tuple)):
+        out = []
+        for n, item in enumerate(value):
+            where = f"layers[{n}]"
+            if isinstance(item, str):
+                try:
+                    out.append(_parse_override(item))
+                except KVConfigError as e:
+                    raise KVConfigError(f"{where}: {e}") from None
+            elif isinstance(item, Mapping):
+                _check_keys(item, _LAYER_ITEM_KEYS, f"{where}: ")
+                entries = {_normalize_key(k): v for k, v in item.items()}
+                if "layers" not in entries:
+                    raise KVConfigError(f"{where}: missing 'layers' (the layer selector, e.g. \"0-3\")")
+                selector = entries.pop("layers")
+                out.append(_layer_entry(selector, entries, base, where))
+            elif isinstance(item, (list, tuple)) and len(item) == 2:
+                out.append(_layer_entry(item[0], item[1], base, where))
+            else:
+                raise KVConfigError(f"{where}: {item!r} is not a layer override like '0-3:k8v8'")
+        return out
+    raise KVConfigError(f"layers: {value!r} is not a mapping like {{\"0-3\": \"k8v8\"}} or a list of overrides")
+
+
 def _load_settings_text(text: str, path: Path):
     suffix = path.suffix.lower()
     if suffix == ".json":
@@ -902,13 +928,7 @@ def _load_toml(text: str, path: Path):
         raise KVConfigError(f"{path}: invalid TOML: {e}") from None
 
 
-def parse_kv(spec_or_preset: "str | KVConfig | None") -> KVConfig:
-    """A KVConfig from a spec or preset name; None gives the default preset ('balanced')."""
-    if spec_or_preset is None:
-        return KVConfig.parse(DEFAULT_PRESET)
-    if isinstance(spec_or_preset, KVConfig):
-        return spec_or_preset
-    return KVConfig.parse(spec_or_preset)
+# -- size estimate -----------------------------------------------------------------------------
 
 
 def estimate_bytes(
