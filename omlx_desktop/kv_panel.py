@@ -481,7 +481,7 @@ class KVPanel(QWidget):
             self.v_slider.setValue(SELECTABLE_BITS.index(v))
             self.k_label.setText(f"K: {k} bits")
             self.v_label.setText(f"V: {v} bits")
-            preset = "high-precision" if self._hp else self._preset
+            preset = (config.preset_name() or CUSTOM) if self._hp else self._preset
             self.preset_box.setCurrentIndex(max(0, self.preset_box.findData(preset)))
             self.high_precision.setChecked(self._hp)
             for w in (self.k_slider, self.v_slider, self.preset_box, self.table,
