@@ -303,7 +303,7 @@ class KVPanel(QWidget):
         self._preset = core.get("preset") if core.get("preset") in dict(KVConfig.presets()) else CUSTOM
         self._overrides = {int(i): (int(kv[0]), int(kv[1]))
                            for i, kv in (core.get("overrides") or {}).items()
-                           if int(kv[0]) in SELECTABLE_BITS and int(kv[1]) in SELECTABLE_BITS}
+                           if int(i) >= 0 and int(kv[0]) in SELECTABLE_BITS and int(kv[1]) in SELECTABLE_BITS}
 
     # -- the model ------------------------------------------------------------------------
     def set_model(self, info: dict | None) -> None:
