@@ -15,19 +15,7 @@ from engine.kv.config import SELECTABLE_BITS, KVConfig, estimate_bytes  # noqa: 
 from omlx_desktop.chart import format_bytes  # noqa: E402
 from omlx_desktop.kv_panel import KVPanel  # noqa: E402
 
-SMOL = {  # SmolLM2-135M's KV geometry, as the worker reports it
-    "name": "SmolLM2", "path": "/x.gguf", "file_size": 1, "context_length": 8192, "kv_spec": "k6v4",
-    "kv_bytes_per_token": 1.0, "kv_bytes_per_token_16": 2.0,
-    "geometry": {"n_layers": 30, "n_kv_heads": 3, "head_dim": 64, "value_dim": 64, "windows": [None] * 30},
-}
-
-
-@pytest.fixture
-def panel(qtbot):
-    p = KVPanel()
-    qtbot.addWidget(p)
-    p.set_model(SMOL)
-    return p
+from .test_desktop_widgets import SMOL, panel  # noqa: E402, F401  (the model geometry and the fixture)
 
 
 def write(path, data) -> str:
