@@ -75,5 +75,5 @@ def evaluate_kv(engine, tokens: Sequence[int], specs: Sequence[str | KVConfig],
 
 def per_layer_specs(config: KVConfig, n_layers: int, bits: int = 4) -> list[str]:
     """One spec per layer: that layer at `bits` for K and V, every other layer at 16 bits."""
-    return [f"f16,{i}:k{bits}v{bits}" + ("" if config.block_size == 32 else f",bs={config.block_size}")
-            for i in range(n_layers)]
+    full = KVConfig(16, 16, block_size=config.block_size)
+    return [str(full.with_overrides({i: (bits, bits)})) for i in range(n_layers)]

@@ -923,3 +923,16 @@ def test_formats_bits_per_value_at_the_default_block():
     for bits in SUPPORTED_BITS[1:]:
         for role in ("k", "v"):
             assert bits < get_format(bits, role).bits_per_value(32, 128) < bits + 1.5
+
+
+def test_per_layer_specs_one_quantized_layer_each():
+    """eval-kv --per-layer's specs: layer i at `bits`, every other layer 16-bit, block size kept."""
+    from engine.evaluate import per_layer_specs
+
+    specs = per_layer_specs(KVConfig.parse("k4v4,bs=16"), 3, bits=4)
+    assert len(specs) == 3
+    for i, spec in enumerate(specs):
+        config = KVConfig.parse(spec)
+        assert config.block_size == 16
+        assert [(p.k_bits, p.v_bits) for p in config.per_layer(3)] == [
+            (4, 4) if j == i else (16, 16) for j in range(3)]
