@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UnsupportedModel
+from ..gguf_file import GGUFError
 from ..kv.cache import FullPrecisionCache, KVCache
 
 
@@ -48,6 +49,10 @@ def rope_tables(positions: np.ndarray, dim: int, base: float, freq_scale: float 
 ROPE_SCALING_TYPES = ("none", "linear")
 
 
+class UnsupportedRopeScaling(UnsupportedModel, GGUFError):
+    """A file whose RoPE scaling type (or factor) the rotation does not implement."""
+
+
 def rope_freq_scale(g, arch: str) -> float:
     """The linear RoPE frequency scale (1 / `rope.scaling.factor`) a file asks for, read as
     llama.cpp reads it. Scaling types the rotation does not implement (yarn, longrope, anything
@@ -55,7 +60,7 @@ def rope_freq_scale(g, arch: str) -> float:
     kind = g.get(f"{arch}.rope.scaling.type")
     kind = "linear" if kind is None else str(kind).strip().lower()
     if kind not in ROPE_SCALING_TYPES:
-        raise UnsupportedModel(
+        raise UnsupportedRopeScaling(
             f"{g.path.name}: RoPE scaling type {kind!r} ({arch}.rope.scaling.type) is not supported; "
             f"supported: {', '.join(ROPE_SCALING_TYPES)}"
         )
@@ -66,7 +71,7 @@ def rope_freq_scale(g, arch: str) -> float:
     if kind == "none" or factor == 0.0:
         return 1.0
     if not np.isfinite(factor) or factor < 0:
-        raise UnsupportedModel(f"{g.path.name}: {arch}.rope.scaling.factor is {factor}, not a positive number")
+        raise UnsupportedRopeScaling(f"{g.path.name}: {arch}.rope.scaling.factor is {factor}, not a positive number")
     return 1.0 / factor
 
 
