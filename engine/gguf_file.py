@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .errors import ModelError
+from .errors import ModelError, UnsupportedModel
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -36,6 +36,10 @@ DEFAULT_ALIGNMENT = 32
 
 class GGUFError(ModelError):
     """A GGUF file cannot be used; the message says why in words a user can act on."""
+
+
+class UnsupportedTensorType(UnsupportedModel, GGUFError):
+    """A tensor stored in a type the engine cannot read (the message names the tensor and type)."""
 
 
 _SCALAR_FORMATS = {
@@ -192,7 +196,10 @@ class GGUFFile:
             try:
                 ggml_type = GGMLQuantizationType(type_id)
             except ValueError:
-                raise GGUFError(f"{self.path.name}: tensor {name!r} has unknown type id {type_id}")
+                raise UnsupportedTensorType(
+                    f"{self.path.name}: tensor {name!r} has tensor type id {type_id}, which this "
+                    "engine does not know (a newer quantization type?)"
+                )
             block_size, type_size = GGML_QUANT_SIZES[ggml_type]
             n_elements = int(np.prod(dims)) if dims else 1
             if dims and dims[0] % block_size:

@@ -28,28 +28,26 @@ import os
 import threading
 
 import numpy as np
-from gguf.constants import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from .gguf_file import GGUFError, GGUFFile
+from .gguf_file import GGUFError, GGUFFile, UnsupportedTensorType
 from .kernels import HAVE_NUMBA
 
-# Types the loader accepts: those the two test models use plus Q5_1, Q5_K, BF16.
-SUPPORTED_TYPES = frozenset(
-    {
-        GGMLQuantizationType.F32,
-        GGMLQuantizationType.F16,
-        GGMLQuantizationType.BF16,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q5_0,
-        GGMLQuantizationType.Q5_1,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q5_K,
-        GGMLQuantizationType.Q6_K,
-    }
-)
+
+def _gguf_can_dequantize(ggml_type: GGMLQuantizationType) -> bool:
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    try:
+        dequantize(np.zeros((1, type_size), dtype=np.uint8), ggml_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
+# Types the loader accepts: every type the `gguf` package can dequantize. Matrices of a type
+# with a fused kernel (engine.kernels.quant_matvec.supports) stay as blocks; the others are
+# dequantized to float32 once at load (the dense path).
+SUPPORTED_TYPES = frozenset(t for t in GGMLQuantizationType if _gguf_can_dequantize(t))
 
 # Rows dequantized per call: bounds the temporary float32 buffers gguf's dequantizer makes.
 _DEQUANT_ROWS = 8192
@@ -249,9 +247,9 @@ class WeightStore:
         info = self.gguf.tensor_info(name)
         if info.ggml_type not in SUPPORTED_TYPES:
             supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
-            raise GGUFError(
-                f"{self.gguf.path.name}: tensor {name!r} is {info.type_name}, which this engine "
-                f"cannot read yet (supported: {supported})"
+            raise UnsupportedTensorType(
+                f"{self.gguf.path.name}: tensor {name!r} is stored as {info.type_name}, which this "
+                f"engine cannot read (supported: {supported})"
             )
         if shape is not None and tuple(info.shape) != tuple(shape):
             raise GGUFError(

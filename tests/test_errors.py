@@ -61,7 +61,7 @@ def test_unsupported_architecture(tmp_path):
     # Same file, other architecture name: rewrite the metadata key's value in place.
     data = path.read_bytes().replace(b"llama", b"mamba")
     (tmp_path / "mamba.gguf").write_bytes(data)
-    with pytest.raises(UnsupportedArchitecture, match=r"'mamba' is not supported; supported: gemma3, llama"):
+    with pytest.raises(UnsupportedArchitecture, match=r"'mamba' is not supported; supported: gemma3, llama, qwen2, qwen3"):
         Engine.load(tmp_path / "mamba.gguf")
 
 

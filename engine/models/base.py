@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import UnsupportedModel
+from ..gguf_file import GGUFError
 from ..kv.cache import FullPrecisionCache, KVCache
 
 
@@ -28,11 +30,81 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
 
 
-def rope_tables(positions: np.ndarray, dim: int, base: float, freq_scale: float = 1.0):
-    """cos, sin of shape (T, dim // 2) for rotating pairs i = 0 .. dim/2 - 1."""
+def rope_tables(positions: np.ndarray, dim: int, base: float, freq_scale: float = 1.0,
+                freq_factors: np.ndarray | None = None):
+    """cos, sin of shape (T, dim // 2) for rotating pairs i = 0 .. dim/2 - 1.
+
+    Pair i turns by position * freq_scale * base^(-2i/dim) / freq_factors[i] (llama.cpp's
+    ggml_rope_ext without YaRN: `freq_scale` is linear scaling, `freq_factors` the per-pair
+    divisors of a `rope_freqs` tensor, Llama 3.1/3.2's frequency scaling)."""
     inv_freq = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)  # (dim/2,)
-    angles = (positions.astype(np.float64) * freq_scale)[:, None] * inv_freq[None, :]
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
+    angles = (np.asarray(positions).astype(np.float64) * freq_scale)[:, None] * inv_freq[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+# rope.scaling.type values the rotation implements. llama.cpp reads a missing type as "linear"
+# (a `rope.scaling.factor` alone scales linearly) and never scales under "none".
+ROPE_SCALING_TYPES = ("none", "linear")
+
+
+class UnsupportedRopeScaling(UnsupportedModel, GGUFError):
+    """A file whose RoPE scaling type (or factor) the rotation does not implement."""
+
+
+def rope_freq_scale(g, arch: str) -> float:
+    """The linear RoPE frequency scale (1 / `rope.scaling.factor`) a file asks for, read as
+    llama.cpp reads it. Scaling types the rotation does not implement (yarn, longrope, anything
+    unknown) are refused: rotating as if unscaled would compute a different model silently."""
+    kind = g.get(f"{arch}.rope.scaling.type")
+    kind = "linear" if kind is None else str(kind).strip().lower()
+    if kind not in ROPE_SCALING_TYPES:
+        raise UnsupportedRopeScaling(
+            f"{g.path.name}: RoPE scaling type {kind!r} ({arch}.rope.scaling.type) is not supported; "
+            f"supported: {', '.join(ROPE_SCALING_TYPES)}"
+        )
+    factor = g.get(f"{arch}.rope.scaling.factor")
+    if factor is None:
+        factor = g.get(f"{arch}.rope.scale_linear")  # the older key for the same factor
+    factor = float(factor or 0.0)
+    if kind == "none" or factor == 0.0:
+        return 1.0
+    if not np.isfinite(factor) or factor < 0:
+        raise UnsupportedRopeScaling(f"{g.path.name}: {arch}.rope.scaling.factor is {factor}, not a positive number")
+    return 1.0 / factor
+
+
+@dataclass(frozen=True, eq=False)
+class Rope:
+    """One layer's rotary position embedding: which channels turn, how fast, in which layout.
+
+    dim: channels rotated (the first `dim` of each head; the rest pass through).
+    neox: pairs are halves (x[i], x[i + dim/2]) instead of adjacent (x[2i], x[2i+1]).
+    freq_factors: (dim/2,) divisors of the pair frequencies (a `rope_freqs` tensor) or None.
+    """
+
+    dim: int
+    base: float
+    freq_scale: float = 1.0
+    freq_factors: np.ndarray | None = None
+    neox: bool = False
+
+    def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return rope_tables(positions, self.dim, self.base, self.freq_scale, self.freq_factors)
+
+    def rotate(self, x: np.ndarray, tables: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """x (T, heads, head_dim) rotated by the positions `tables` were made for."""
+        cos, sin = tables
+        r = self.dim
+        if r == x.shape[-1]:
+            return apply_rope(x, cos, sin, self.neox)
+        return np.concatenate([apply_rope(x[..., :r], cos, sin, self.neox), x[..., r:]], axis=-1)
+
+    def rerotate(self, keys: np.ndarray, by: np.ndarray) -> np.ndarray:
+        """Keys (T, heads, head_dim) already rotated, moved by `by` (T,) more positions: the
+        angles are linear in position, so this equals rotating them at position + by."""
+        return self.rotate(keys, self.tables(np.asarray(by)))
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:

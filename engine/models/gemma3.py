@@ -10,7 +10,7 @@ import numpy as np
 from ..gguf_file import GGUFFile
 from ..kv.cache import KVCache, LayerKVCache
 from ..weights import WeightStore
-from .base import BaseModel, KVGeometry, apply_rope, gelu_tanh, rms_norm, rope_tables
+from .base import BaseModel, KVGeometry, apply_rope, gelu_tanh, rms_norm, rope_freq_scale, rope_tables
 
 ARCH = "gemma3"
 LOCAL_ROPE_BASE = 10_000.0
@@ -39,7 +39,6 @@ class ModelArgs:
         dim = int(g.require(f"{ARCH}.embedding_length"))
         n_heads = int(g.require(f"{ARCH}.attention.head_count"))
         head_dim = int(g.get(f"{ARCH}.attention.key_length", dim // n_heads))
-        factor = float(g.get(f"{ARCH}.rope.scaling.factor", 1.0) or 1.0)
         return cls(
             dim=dim,
             n_layers=int(g.require(f"{ARCH}.block_count")),
@@ -52,7 +51,7 @@ class ModelArgs:
             norm_eps=float(g.get(f"{ARCH}.attention.layer_norm_rms_epsilon", 1e-6)),
             rope_base_global=float(g.get(f"{ARCH}.rope.freq_base", 1_000_000.0)),
             rope_base_local=LOCAL_ROPE_BASE,
-            rope_freq_scale_global=1.0 / factor,
+            rope_freq_scale_global=rope_freq_scale(g, ARCH),  # global layers only (llama.cpp)
             sliding_window=int(g.get(f"{ARCH}.attention.sliding_window", 512)),
             context_length=int(g.get(f"{ARCH}.context_length", 32768)),
         )

@@ -1,4 +1,13 @@
-"""llama family: GQA, RoPE on adjacent pairs, RMSNorm, SwiGLU, tied or separate output."""
+"""llama family: GQA, RoPE, RMSNorm, SwiGLU, tied or separate output.
+
+The same decoder serves the llama-like architectures beside it (qwen2, qwen3): a subclass says
+how its attention differs (rotation layout, q/k/v biases, per-head q/k norms) through the class
+attributes of `Model`.
+
+RoPE follows llama.cpp: base `rope.freq_base`, `rope.dimension_count` channels rotated, linear
+scaling from `rope.scaling.*` (other scaling types are refused, see base.rope_freq_scale), and a
+`rope_freqs` tensor (Llama 3.1/3.2) divides each pair's frequency.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +18,9 @@ import numpy as np
 from ..gguf_file import GGUFFile
 from ..kv.cache import KVCache, LayerKVCache
 from ..weights import WeightStore
-from .base import BaseModel, KVGeometry, apply_rope, rms_norm, rope_tables, silu
+from .base import BaseModel, KVGeometry, Rope, rms_norm, rope_freq_scale, silu
+
+ROPE_FREQS = "rope_freqs.weight"
 
 
 @dataclass
@@ -33,8 +44,6 @@ class ModelArgs:
         n_heads = int(g.require(f"{arch}.attention.head_count"))
         head_dim = int(g.get(f"{arch}.attention.key_length", dim // n_heads))
         vocab = g.get(f"{arch}.vocab_size") or g.tensor_info("token_embd.weight").shape[0]
-        scaling = g.get(f"{arch}.rope.scaling.type", "none")
-        factor = float(g.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
         return cls(
             dim=dim,
             n_layers=int(g.require(f"{arch}.block_count")),
@@ -46,10 +55,9 @@ class ModelArgs:
             norm_eps=float(g.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_base=float(g.get(f"{arch}.rope.freq_base", 10000.0)),
             rope_dim=int(g.get(f"{arch}.rope.dimension_count", head_dim)),
-            rope_freq_scale=1.0 / factor if scaling == "linear" else 1.0,
+            rope_freq_scale=rope_freq_scale(g, arch),
             context_length=int(g.get(f"{arch}.context_length", 2048)),
         )
-
 
     def kv_geometry(self) -> KVGeometry:
         return KVGeometry(self.n_layers, self.n_kv_heads, self.head_dim, self.head_dim,
@@ -57,28 +65,43 @@ class ModelArgs:
 
 
 class Attention:
-    def __init__(self, args: ModelArgs, w: WeightStore, prefix: str):
+    """q, k, v projections (+ biases where the file has them or the architecture requires them),
+    optional per-head RMS norm of q and k before rotation, RoPE, attention, output projection."""
+
+    def __init__(self, args: ModelArgs, w: WeightStore, prefix: str, rope: Rope, *,
+                 biases: bool | None, qk_norm: bool):
         self.args = args
+        self.rope = rope
         d, hd = args.dim, args.head_dim
         self.attn_q = w.linear(f"{prefix}.attn_q.weight", args.n_heads * hd, d)
         self.attn_k = w.linear(f"{prefix}.attn_k.weight", args.n_kv_heads * hd, d)
         self.attn_v = w.linear(f"{prefix}.attn_v.weight", args.n_kv_heads * hd, d)
         self.attn_output = w.linear(f"{prefix}.attn_output.weight", d, args.n_heads * hd)
+        # biases=True: required (missing is an error); None: used when present; False: never read.
+        self.bias_q = self.bias_k = self.bias_v = None
+        if biases or (biases is None and w.has(f"{prefix}.attn_q.bias")):
+            self.bias_q = w.vector(f"{prefix}.attn_q.bias", args.n_heads * hd)
+            self.bias_k = w.vector(f"{prefix}.attn_k.bias", args.n_kv_heads * hd)
+            self.bias_v = w.vector(f"{prefix}.attn_v.bias", args.n_kv_heads * hd)
+        self.attn_q_norm = self.attn_k_norm = None
+        if qk_norm:
+            self.attn_q_norm = w.vector(f"{prefix}.attn_q_norm.weight", hd)
+            self.attn_k_norm = w.vector(f"{prefix}.attn_k_norm.weight", hd)
         self.scale = 1.0 / np.sqrt(hd)
 
-    def __call__(self, x: np.ndarray, rope: tuple[np.ndarray, np.ndarray], cache: LayerKVCache) -> np.ndarray:
+    def __call__(self, x: np.ndarray, rope_tables, cache: LayerKVCache) -> np.ndarray:
         a = self.args
         T = x.shape[0]
-        q = self.attn_q(x).reshape(T, a.n_heads, a.head_dim)  # (T, H, D)
-        k = self.attn_k(x).reshape(T, a.n_kv_heads, a.head_dim)  # (T, Hkv, D)
-        v = self.attn_v(x).reshape(T, a.n_kv_heads, a.head_dim)
-        cos, sin = rope
-        r = a.rope_dim
-        if r == a.head_dim:
-            q, k = apply_rope(q, cos, sin, neox=False), apply_rope(k, cos, sin, neox=False)
-        else:  # partial rotary: only the first rope_dim channels rotate
-            q = np.concatenate([apply_rope(q[..., :r], cos, sin, False), q[..., r:]], axis=-1)
-            k = np.concatenate([apply_rope(k[..., :r], cos, sin, False), k[..., r:]], axis=-1)
+        q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        if self.bias_q is not None:
+            q, k, v = q + self.bias_q, k + self.bias_k, v + self.bias_v
+        q = q.reshape(T, a.n_heads, a.head_dim)  # (T, H, D)
+        k = k.reshape(T, a.n_kv_heads, a.head_dim)  # (T, Hkv, D)
+        v = v.reshape(T, a.n_kv_heads, a.head_dim)
+        if self.attn_q_norm is not None:  # per head, over D
+            q = rms_norm(q, self.attn_q_norm, a.norm_eps)
+            k = rms_norm(k, self.attn_k_norm, a.norm_eps)
+        q, k = self.rope.rotate(q, rope_tables), self.rope.rotate(k, rope_tables)
         o = cache.attend(q, k, v, scale=self.scale, window=None)  # (T, H, D)
         return self.attn_output(o.reshape(T, a.n_heads * a.head_dim))
 
@@ -94,21 +117,27 @@ class MLP:
 
 
 class TransformerBlock:
-    def __init__(self, args: ModelArgs, w: WeightStore, layer: int):
+    def __init__(self, args: ModelArgs, w: WeightStore, layer: int, rope: Rope, *,
+                 biases: bool | None, qk_norm: bool):
         prefix = f"blk.{layer}"
         self.eps = args.norm_eps
         self.attn_norm = w.vector(f"{prefix}.attn_norm.weight", args.dim)
         self.ffn_norm = w.vector(f"{prefix}.ffn_norm.weight", args.dim)
-        self.attention = Attention(args, w, prefix)
+        self.attention = Attention(args, w, prefix, rope, biases=biases, qk_norm=qk_norm)
         self.mlp = MLP(args, w, prefix)
 
-    def __call__(self, x, rope, cache: LayerKVCache) -> np.ndarray:
-        x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), rope, cache)
+    def __call__(self, x, rope_tables, cache: LayerKVCache) -> np.ndarray:
+        x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), rope_tables, cache)
         return x + self.mlp(rms_norm(x, self.ffn_norm, self.eps))
 
 
 class Model(BaseModel):
     architecture = "llama"
+    # How a llama-like architecture's attention differs; subclasses override.
+    args_class = ModelArgs
+    rope_neox = False  # llama GGUFs: the converter permuted Q/K rows for adjacent pairs
+    attention_biases: bool | None = None  # None: q/k/v biases used when the file has them
+    qk_norm = False
 
     def __init__(self, args: ModelArgs, w: WeightStore):
         self.args = args
@@ -116,8 +145,13 @@ class Model(BaseModel):
         self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
         self.head_dim = self.value_dim = args.head_dim
         self.vocab_size, self.context_length = args.vocab_size, args.context_length
+        freq_factors = w.vector(ROPE_FREQS, args.rope_dim // 2) if w.has(ROPE_FREQS) else None
+        self.rope = Rope(args.rope_dim, args.rope_base, args.rope_freq_scale, freq_factors, self.rope_neox)
         self.token_embd = w.embedding("token_embd.weight", args.vocab_size, args.dim)
-        self.layers = [TransformerBlock(args, w, i) for i in range(args.n_layers)]
+        self.layers = [
+            TransformerBlock(args, w, i, self.rope, biases=self.attention_biases, qk_norm=self.qk_norm)
+            for i in range(args.n_layers)
+        ]
         self.output_norm = w.vector("output_norm.weight", args.dim)
         if w.has("output.weight"):
             self.lm_head = w.linear("output.weight", args.vocab_size, args.dim)
@@ -126,24 +160,19 @@ class Model(BaseModel):
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Model":
-        return cls(ModelArgs.from_gguf(g), WeightStore(g))
+        return cls(cls.args_class.from_gguf(g), WeightStore(g))
 
     def hidden(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         a = self.args
         positions = cache.offset + np.arange(tokens.shape[0])
-        rope = rope_tables(positions, a.rope_dim, a.rope_base, a.rope_freq_scale)
+        rope_tables = self.rope.tables(positions)
         x = self.token_embd.lookup(tokens)
         for layer, block in enumerate(self.layers):
-            x = block(x, rope, cache[layer])
+            x = block(x, rope_tables, cache[layer])
         return rms_norm(x, self.output_norm, a.norm_eps)
 
     def output(self, h: np.ndarray) -> np.ndarray:
         return self.lm_head(h)
 
     def rerotate_keys(self, layer: int, keys: np.ndarray, by: np.ndarray) -> np.ndarray:
-        a = self.args
-        cos, sin = rope_tables(np.asarray(by), a.rope_dim, a.rope_base, a.rope_freq_scale)
-        r = a.rope_dim
-        if r == a.head_dim:
-            return apply_rope(keys, cos, sin, neox=False)
-        return np.concatenate([apply_rope(keys[..., :r], cos, sin, False), keys[..., r:]], axis=-1)
+        return self.rope.rerotate(keys, by)

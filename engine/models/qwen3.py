@@ -1,0 +1,23 @@
+"""qwen3: the llama decoder with a per-head RMS norm of q and k (`attn_q_norm`, `attn_k_norm`,
+over the head dimension, before rotation), RoPE on halves (NEOX layout), no q/k/v biases."""
+
+from __future__ import annotations
+
+from ..gguf_file import GGUFFile
+from . import llama
+
+ARCH = "qwen3"
+
+
+class ModelArgs(llama.ModelArgs):
+    @classmethod
+    def from_gguf(cls, g: GGUFFile, arch: str = ARCH) -> "ModelArgs":
+        return super().from_gguf(g, arch)
+
+
+class Model(llama.Model):
+    architecture = ARCH
+    args_class = ModelArgs
+    rope_neox = True
+    attention_biases = False
+    qk_norm = True
