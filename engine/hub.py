@@ -194,10 +194,13 @@ def _hub_error(exc: BaseException, what: str, repo: str) -> HubError:
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
-    import httpx2
     from huggingface_hub.utils import HfHubHTTPError
 
-    return (HfHubHTTPError, httpx2.HTTPError, OSError, ValueError)
+    try:  # the HTTP client huggingface_hub 2.x uses
+        from httpx2 import HTTPError
+    except ImportError:
+        from httpx import HTTPError
+    return (HfHubHTTPError, HTTPError, OSError, ValueError)
 
 
 def list_files(repo: str, revision: str | None = None) -> RepoListing:
