@@ -8,9 +8,12 @@ estimate = runtime + weights + tokenizer + KV(ctx, spec) + prefill working set(c
               read (dequantized once at load, see engine.weights)
   tokenizer   the vocabulary's tables and the model's small float32 arrays, per vocabulary entry
   KV          engine.kv.config.estimate_bytes at the chosen spec and context
-  working     the largest prefill step: a chunk of PREFILL_CHUNK queries' attention scores over
-              the whole context (a few float32 copies: scores, mask, softmax) plus the chunk's
-              activations; this is what peaks, decode needs far less
+  working     the largest prefill step, one layer at a time (what peaks; decode needs far less):
+              the attention scores of ATTEND_ROWS queries over the whole context (float32: scores,
+              masked copy, softmax), the layer's keys and values dequantized to float32 for the
+              step (and their concatenation with the new block), and a chunk of PREFILL_CHUNK
+              tokens' activations (q/k/v, gate, up, their product, residuals: rows of the widest
+              of dim, ffn and heads × head_dim)
 The constants are fitted to peak RSS measured on the catalog's models (the estimate-vs-measured
 test holds it within 15%). Verdict against psutil's available memory: "fits" up to
 TIGHT_FRACTION of it, "tight" up to all of it, "does not fit" beyond.
@@ -29,7 +32,8 @@ MiB = 1 << 20
 RUNTIME_BYTES = 172 * MiB
 TOKENIZER_BYTES_PER_ENTRY = 384
 ATTENTION_SCORE_COPIES = 3  # scores, their masked copy, the softmax output (float32 each)
-ACTIVATION_ROWS_PER_TOKEN = 6  # float32 rows of max(dim, ffn) a prefill chunk holds per token
+KV_DEQUANT_COPIES = 2  # a layer's K and V as float32: dequantized, then joined with the new block
+ACTIVATION_ROWS_PER_TOKEN = 15  # float32 rows of the widest activation a prefill token holds
 TIGHT_FRACTION = 0.8
 
 FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does not fit"
@@ -70,9 +74,32 @@ def _mib(n: int) -> str:
     return f"{n / MiB:,.0f} MiB"
 
 
+MEMORY_LIMIT_ENV = "OMLX_MEMORY_LIMIT"
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def memory_limit() -> int | None:
+    """``$OMLX_MEMORY_LIMIT`` in bytes (suffix K, M, G or T, optionally followed by "iB" or "B"):
+    a budget the fit check holds models to when it is below what the system has free. None if unset."""
+    text = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if not text:
+        return None
+    import re
+
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", text, re.IGNORECASE)
+    if not match:
+        from .errors import SettingsError
+
+        raise SettingsError(f"{MEMORY_LIMIT_ENV}={text!r} is not a size; write e.g. 4G, 512M or 1073741824")
+    return int(float(match[1]) * _UNITS[match[2].upper()])
+
+
 def available_bytes() -> int:
-    """Memory the system can give without swapping (psutil's `available`)."""
-    return int(psutil.virtual_memory().available)
+    """Memory the system can give without swapping (psutil's `available`), capped by
+    ``$OMLX_MEMORY_LIMIT`` when that is set."""
+    available = int(psutil.virtual_memory().available)
+    limit = memory_limit()
+    return available if limit is None else min(available, limit)
 
 
 def verdict(total: int, available: int) -> str:
@@ -106,6 +133,7 @@ def estimate(gguf, ctx: int | None = None, kv=None, available: int | None = None
     """The estimate for the open GGUFFile ``gguf`` at ``ctx`` tokens (default: the model's
     context) and KV spec ``kv`` (default: the engine's default)."""
     from .engine import PREFILL_CHUNK
+    from .kv.paged import ATTEND_ROWS
     from .kv.config import estimate_bytes, parse_kv
     from .models import model_args
 
@@ -120,7 +148,9 @@ def estimate(gguf, ctx: int | None = None, kv=None, available: int | None = None
                               windows=list(g.windows))["total"]
     chunk = min(PREFILL_CHUNK, ctx)
     widest = max(model.dim, getattr(model, "ffn_dim", 0) or 0, model.n_heads * model.head_dim)
-    working = 4 * chunk * (ATTENTION_SCORE_COPIES * model.n_heads * ctx + ACTIVATION_ROWS_PER_TOKEN * widest)
+    working = 4 * (ATTENTION_SCORE_COPIES * min(ATTEND_ROWS, ctx) * model.n_heads * ctx
+                   + KV_DEQUANT_COPIES * g.n_kv_heads * ctx * (g.head_dim + g.value_dim)
+                   + ACTIVATION_ROWS_PER_TOKEN * chunk * widest)
     return FitEstimate(
         ctx=ctx,
         kv_spec=str(config),
