@@ -97,8 +97,9 @@ CATALOG: dict[str, CatalogEntry] = {
 @dataclass(frozen=True)
 class HubEntry:
     """A known model published on the Hugging Face Hub: fetched with :func:`engine.hub.download`
-    (checked against the Hub's LFS sha256 at download time). ``size`` is the file's size as the
-    Hub listed it when the entry was written, for listing and the fit check before a download."""
+    (checked against the Hub's LFS sha256 at download time). ``size`` is the file's size as
+    recorded when the entry was written, for listing offline and the fit check before a
+    download; the download itself takes size and sha256 from the Hub's live listing."""
 
     name: str
     description: str
