@@ -1,6 +1,6 @@
 """Will it fit: the memory a model needs at a context and KV setting, against what is available.
 
-estimate = runtime + weights + tokenizer + KV(ctx, spec) + prefill working set(ctx)
+estimate = runtime + weights + tokenizer + KV(ctx, spec) + max(prefill working set(ctx), decode floor)
   runtime     the process with the engine imported and its kernels loaded, before any model
               (a measured constant: Python, numpy, numba, tokenizers)
   weights     the GGUF file, memory-mapped: every page is touched once the model has run, so all
@@ -14,6 +14,8 @@ estimate = runtime + weights + tokenizer + KV(ctx, spec) + prefill working set(c
               step (and their concatenation with the new block), and a chunk of PREFILL_CHUNK
               tokens' activations (q/k/v, gate, up, their product, residuals: rows of the widest
               of dim, ffn and heads × head_dim)
+  decode floor what decoding holds once it has started (its kernels, loaded on first use, and
+              their buffers; a measured constant): short prompts peak there, not in the prefill
 The constants are fitted to peak RSS measured on the catalog's models (the estimate-vs-measured
 test holds it within 15%). Verdict against psutil's available memory: "fits" up to
 TIGHT_FRACTION of it, "tight" up to all of it, "does not fit" beyond.
@@ -29,7 +31,8 @@ import psutil
 from .errors import DoesNotFit
 
 MiB = 1 << 20
-RUNTIME_BYTES = 172 * MiB
+RUNTIME_BYTES = 168 * MiB
+DECODE_FLOOR_BYTES = 68 * MiB
 TOKENIZER_BYTES_PER_ENTRY = 384
 ATTENTION_SCORE_COPIES = 3  # scores, their masked copy, the softmax output (float32 each)
 KV_DEQUANT_COPIES = 2  # a layer's K and V as float32: dequantized, then joined with the new block
@@ -66,7 +69,7 @@ class FitEstimate:
         """One line: verdict, estimate, available, and the parts."""
         return (f"{self.verdict}: needs about {_mib(self.total_bytes)} of {_mib(self.available_bytes)} "
                 f"available (weights {_mib(self.weights_bytes)}, KV {_mib(self.kv_bytes)} at "
-                f"{self.ctx:,} tokens {self.kv_spec}, prefill {_mib(self.working_bytes)}, runtime and "
+                f"{self.ctx:,} tokens {self.kv_spec}, prefill/decode {_mib(self.working_bytes)}, runtime and "
                 f"tokenizer {_mib(self.runtime_bytes + self.tokenizer_bytes)})")
 
 
@@ -148,9 +151,10 @@ def estimate(gguf, ctx: int | None = None, kv=None, available: int | None = None
                               windows=list(g.windows))["total"]
     chunk = min(PREFILL_CHUNK, ctx)
     widest = max(model.dim, getattr(model, "ffn_dim", 0) or 0, model.n_heads * model.head_dim)
-    working = 4 * (ATTENTION_SCORE_COPIES * min(ATTEND_ROWS, ctx) * model.n_heads * ctx
+    prefill = 4 * (ATTENTION_SCORE_COPIES * min(ATTEND_ROWS, ctx) * model.n_heads * ctx
                    + KV_DEQUANT_COPIES * g.n_kv_heads * ctx * (g.head_dim + g.value_dim)
                    + ACTIVATION_ROWS_PER_TOKEN * chunk * widest)
+    working = max(prefill, DECODE_FLOOR_BYTES)
     return FitEstimate(
         ctx=ctx,
         kv_spec=str(config),

@@ -101,7 +101,7 @@ def test_loading_a_model_that_does_not_fit_needs_force(smollm2_path):
     assert "does not fit" in forced.stderr  # said, then loaded anyway
 
 
-@pytest.mark.parametrize("name, n_tokens, kv", [(SMOL, 2048, "balanced"), ("gemma3-270m", 1024, "balanced")])
+@pytest.mark.parametrize("name, n_tokens, kv", [(SMOL, 64, "full"), (SMOL, 2048, "balanced"), ("gemma3-270m", 1024, "balanced")])
 def test_estimate_within_15_percent_of_measured_peak_rss(name, n_tokens, kv, smollm2_path, gemma3_path):
     path = smollm2_path if name == SMOL else gemma3_path
     # a fresh process: no other test's memory counts
