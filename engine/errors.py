@@ -13,7 +13,9 @@ escapes (a `MemoryError` from numpy, a bug) is not in this family and is reporte
     ├── ContextFull           no room for the next tokens under the overflow policy
     ├── KVPoolFull            a layer's block pool has no free block (a memory budget, not the context)
     ├── CatalogError          a catalog model that cannot be fetched or found
+    │   └── HubError          a Hugging Face repo or file that cannot be listed or downloaded
     └── EngineError           any other request the engine cannot serve
+        └── DoesNotFit        a model whose estimated memory exceeds what the machine has free
 """
 
 from __future__ import annotations
@@ -73,10 +75,23 @@ class CatalogError(OmlxError):
     kind = "catalog"
 
 
+class HubError(CatalogError):
+    """A Hugging Face repo or file that cannot be listed, downloaded or verified."""
+
+    kind = "hub"
+
+
 class EngineError(OmlxError):
     """A request the engine cannot serve; the message is meant for the user."""
 
     kind = "engine"
+
+
+class DoesNotFit(EngineError):
+    """Loading would need more memory than is available (the will-it-fit estimate); the CLI's
+    --force loads anyway."""
+
+    kind = "does_not_fit"
 
 
 def describe(exc: BaseException) -> tuple[str, str]:

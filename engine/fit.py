@@ -1,0 +1,198 @@
+"""Will it fit: the memory a model needs at a context and KV setting, against what is available.
+
+estimate = runtime + weights + tokenizer + KV(ctx, spec) + max(prefill working set(ctx), decode floor)
+  runtime     the process with the engine imported and its kernels loaded, before any model
+              (a measured constant: Python, numpy, numba, tokenizers)
+  weights     the GGUF file, memory-mapped: every page is touched once the model has run, so all
+              of it is resident; plus a float32 copy of each matrix the quantized kernels cannot
+              read (dequantized once at load, see engine.weights)
+  tokenizer   the vocabulary's tables and the model's small float32 arrays, per vocabulary entry
+  KV          engine.kv.config.estimate_bytes at the chosen spec and context
+  working     the largest prefill step, one layer at a time (what peaks; decode needs far less):
+              the attention scores of ATTEND_ROWS queries over the whole context (float32: scores,
+              masked copy, softmax), the layer's keys and values dequantized to float32 for the
+              step (and their concatenation with the new block), and a chunk of PREFILL_CHUNK
+              tokens' activations (q/k/v, gate, up, their product, residuals: rows of the widest
+              of dim, ffn and heads × head_dim)
+  decode floor what decoding holds once it has started (its kernels, loaded on first use, and
+              their buffers; a measured constant): short prompts peak there, not in the prefill
+The constants are fitted to peak RSS measured on the catalog's models (the estimate-vs-measured
+test holds it within 15%). Verdict against psutil's available memory: "fits" up to
+TIGHT_FRACTION of it, "tight" up to all of it, "does not fit" beyond.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import psutil
+
+from .errors import DoesNotFit
+
+MiB = 1 << 20
+RUNTIME_BYTES = 168 * MiB
+DECODE_FLOOR_BYTES = 68 * MiB
+TOKENIZER_BYTES_PER_ENTRY = 384
+ATTENTION_SCORE_COPIES = 3  # scores, their masked copy, the softmax output (float32 each)
+KV_DEQUANT_COPIES = 2  # a layer's K and V as float32: dequantized, then joined with the new block
+ACTIVATION_ROWS_PER_TOKEN = 15  # float32 rows of the widest activation a prefill token holds
+TIGHT_FRACTION = 0.8
+
+FITS, TIGHT, DOES_NOT_FIT = "fits", "tight", "does not fit"
+
+
+@dataclass(frozen=True)
+class FitEstimate:
+    ctx: int
+    kv_spec: str
+    runtime_bytes: int
+    weights_bytes: int
+    tokenizer_bytes: int
+    kv_bytes: int
+    working_bytes: int
+    available_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.runtime_bytes + self.weights_bytes + self.tokenizer_bytes + self.kv_bytes
+                + self.working_bytes)
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.total_bytes, self.available_bytes)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total_bytes, "verdict": self.verdict}
+
+    def summary(self) -> str:
+        """One line: verdict, estimate, available, and the parts."""
+        return (f"{self.verdict}: needs about {_mib(self.total_bytes)} of {_mib(self.available_bytes)} "
+                f"available (weights {_mib(self.weights_bytes)}, KV {_mib(self.kv_bytes)} at "
+                f"{self.ctx:,} tokens {self.kv_spec}, prefill/decode {_mib(self.working_bytes)}, runtime and "
+                f"tokenizer {_mib(self.runtime_bytes + self.tokenizer_bytes)})")
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:,.0f} MiB"
+
+
+MEMORY_LIMIT_ENV = "OMLX_MEMORY_LIMIT"
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def memory_limit() -> int | None:
+    """``$OMLX_MEMORY_LIMIT`` in bytes (suffix K, M, G or T, optionally followed by "iB" or "B"):
+    a budget the fit check holds models to when it is below what the system has free. None if unset."""
+    text = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if not text:
+        return None
+    import re
+
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", text, re.IGNORECASE)
+    if not match:
+        from .errors import SettingsError
+
+        raise SettingsError(f"{MEMORY_LIMIT_ENV}={text!r} is not a size; write e.g. 4G, 512M or 1073741824")
+    return int(float(match[1]) * _UNITS[match[2].upper()])
+
+
+def available_bytes() -> int:
+    """Memory the system can give without swapping (psutil's `available`), capped by
+    ``$OMLX_MEMORY_LIMIT`` when that is set."""
+    available = int(psutil.virtual_memory().available)
+    limit = memory_limit()
+    return available if limit is None else min(available, limit)
+
+
+def verdict(total: int, available: int) -> str:
+    if total <= TIGHT_FRACTION * available:
+        return FITS
+    if total <= available:
+        return TIGHT
+    return DOES_NOT_FIT
+
+
+def _dense_copy_bytes(gguf) -> int:
+    """float32 bytes of the matrices the quantized kernels cannot read (engine.weights' dense path)."""
+    from gguf.constants import GGMLQuantizationType
+
+    from .kernels import HAVE_NUMBA
+
+    total = 0
+    for info in gguf.tensors.values():
+        if len(info.shape) != 2 or info.ggml_type == GGMLQuantizationType.F32:
+            continue
+        if HAVE_NUMBA and os.environ.get("OMLX_WEIGHTS", "quant") != "dense":
+            from .kernels import quant_matvec
+
+            if quant_matvec.supports(info.ggml_type, info.shape[1]):
+                continue
+        total += info.shape[0] * info.shape[1] * 4
+    return total
+
+
+def estimate(gguf, ctx: int | None = None, kv=None, available: int | None = None) -> FitEstimate:
+    """The estimate for the open GGUFFile ``gguf`` at ``ctx`` tokens (default: the model's
+    context) and KV spec ``kv`` (default: the engine's default)."""
+    from .engine import PREFILL_CHUNK
+    from .kv.paged import ATTEND_ROWS
+    from .kv.config import estimate_bytes, parse_kv
+    from .models import model_args
+
+    model = model_args(gguf)
+    g = model.kv_geometry()
+    ctx = model.context_length if ctx is None else int(ctx)
+    if ctx < 1:
+        raise DoesNotFit(f"a context of {ctx} tokens cannot hold anything; give at least 1")
+    ctx = min(ctx, model.context_length)
+    config = parse_kv(kv)
+    kv_bytes = estimate_bytes(config, g.n_layers, g.n_kv_heads, g.head_dim, ctx, g.value_dim,
+                              windows=list(g.windows))["total"]
+    chunk = min(PREFILL_CHUNK, ctx)
+    widest = max(model.dim, getattr(model, "ffn_dim", 0) or 0, model.n_heads * model.head_dim)
+    prefill = 4 * (ATTENTION_SCORE_COPIES * min(ATTEND_ROWS, ctx) * model.n_heads * ctx
+                   + KV_DEQUANT_COPIES * g.n_kv_heads * ctx * (g.head_dim + g.value_dim)
+                   + ACTIVATION_ROWS_PER_TOKEN * chunk * widest)
+    working = max(prefill, DECODE_FLOOR_BYTES)
+    return FitEstimate(
+        ctx=ctx,
+        kv_spec=str(config),
+        runtime_bytes=RUNTIME_BYTES,
+        weights_bytes=int(gguf.file_size) + _dense_copy_bytes(gguf),
+        tokenizer_bytes=TOKENIZER_BYTES_PER_ENTRY * int(model.vocab_size),
+        kv_bytes=int(kv_bytes),
+        working_bytes=int(working),
+        available_bytes=available_bytes() if available is None else int(available),
+    )
+
+
+def estimate_file(path, ctx: int | None = None, kv=None, available: int | None = None) -> FitEstimate:
+    """:func:`estimate` for the GGUF file at ``path`` (reads its header only)."""
+    from .gguf_file import GGUFFile
+
+    gguf = GGUFFile(path)
+    try:
+        return estimate(gguf, ctx, kv, available)
+    finally:
+        gguf.close()
+
+
+def download_verdict(file_size: int, available: int | None = None) -> str:
+    """A verdict before a download, when only the file's size is known: the weights and the
+    runtime, with a quarter of the file again for KV, tokenizer and prefill at a modest context."""
+    available = available_bytes() if available is None else available
+    return verdict(RUNTIME_BYTES + int(file_size * 1.25), available)
+
+
+def check_fits(path, ctx: int | None = None, kv=None, *, force: bool = False) -> FitEstimate:
+    """The estimate for loading ``path``; raises DoesNotFit when it does not fit, unless ``force``."""
+    est = estimate_file(path, ctx, kv)
+    if est.verdict == DOES_NOT_FIT and not force:
+        raise DoesNotFit(
+            f"{os.path.basename(str(path))} does not fit: it needs about {_mib(est.total_bytes)} at "
+            f"{est.ctx:,} tokens ({est.kv_spec}) and {_mib(est.available_bytes)} is available. Use a "
+            "smaller context (--ctx), a lower-bit KV setting (--kv memory-saver), a smaller quant, "
+            "or --force to load anyway"
+        )
+    return est

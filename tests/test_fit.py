@@ -1,0 +1,114 @@
+"""Will it fit: the memory estimate, its verdict, the CLI's refusal, and the estimate against the
+peak RSS measured in a fresh process that loads the model, prefills and decodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine import fit
+from engine.errors import DoesNotFit, SettingsError
+from engine.kv.config import estimate_bytes, parse_kv
+from engine.gguf_file import GGUFFile
+from engine.models import model_args
+
+SMOL = "smollm2-135m-instruct"
+MiB = 1 << 20
+
+PEAK_SCRIPT = textwrap.dedent("""
+    import json, resource, sys
+    import numpy as np
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    path, n, kv = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    engine = Engine.load(path, kv=kv)
+    ids = (np.arange(n - 4) % 1000 + 100).tolist()  # n - 4 prompt tokens, then 4 decoded
+    result = engine.generate(ids, max_tokens=4, sampling=SamplingParams())
+    assert result.stats.prompt_tokens == n - 4
+    # the kernel's high-water mark of this process's resident set (KiB on Linux)
+    print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+""")
+
+
+def omlx(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **(env or {})})
+
+
+def test_verdict_thresholds():
+    assert fit.verdict(800, 1000) == fit.FITS
+    assert fit.verdict(801, 1000) == fit.TIGHT
+    assert fit.verdict(1000, 1000) == fit.TIGHT
+    assert fit.verdict(1001, 1000) == fit.DOES_NOT_FIT
+    assert fit.download_verdict(100 * MiB, available=64 * 1024 * MiB) == fit.FITS
+    assert fit.download_verdict(4096 * MiB, available=2048 * MiB) == fit.DOES_NOT_FIT
+
+
+def test_memory_limit_caps_available(monkeypatch):
+    monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, "512M")
+    assert fit.memory_limit() == 512 * MiB and fit.available_bytes() <= 512 * MiB
+    monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, "1.5GiB")
+    assert fit.memory_limit() == 1536 * MiB
+    monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, "lots")
+    with pytest.raises(SettingsError, match="OMLX_MEMORY_LIMIT='lots' is not a size"):
+        fit.available_bytes()
+
+
+def test_estimate_parts(smollm2_path):
+    gguf = GGUFFile(smollm2_path)
+    args = model_args(gguf)
+    g = args.kv_geometry()
+    small = fit.estimate(gguf, 1024, "balanced", available=1 << 40)
+    large = fit.estimate(gguf, 4096, "balanced", available=1 << 40)
+    saver = fit.estimate(gguf, 4096, "memory-saver", available=1 << 40)
+    assert small.kv_bytes == estimate_bytes(parse_kv("balanced"), g.n_layers, g.n_kv_heads, g.head_dim,
+                                            1024, g.value_dim, windows=list(g.windows))["total"]
+    assert small.weights_bytes == smollm2_path.stat().st_size  # every matrix read in place
+    assert small.total_bytes < large.total_bytes and saver.kv_bytes < large.kv_bytes
+    assert fit.estimate(gguf, 10**9, "balanced").ctx == args.context_length  # capped at the model's
+    assert fit.estimate(gguf, 1024, "balanced", available=small.total_bytes // 2).verdict == fit.DOES_NOT_FIT
+    with pytest.raises(DoesNotFit, match="context of 0 tokens"):
+        fit.estimate(gguf, 0)
+
+
+def test_info_prints_the_verdict(smollm2_path):
+    out = omlx("info", SMOL, "--ctx", "2048", "--kv", "balanced")
+    assert out.returncode == 0, out.stderr
+    line = next(l for l in out.stdout.splitlines() if "will it fit" in l)
+    assert "fits: needs about" in line and "2,048 tokens k6v4" in line and "available" in line
+    data = json.loads(omlx("info", SMOL, "--ctx", "2048", "--kv", "balanced", "--json").stdout)
+    assert data["fit"]["verdict"] == "fits" and data["fit"]["ctx"] == 2048
+    assert data["fit"]["total_bytes"] > data["file_bytes"]
+    tiny = omlx("info", SMOL, "--ctx", "2048", env={fit.MEMORY_LIMIT_ENV: "100M"})
+    assert "does not fit: needs about" in tiny.stdout
+
+
+def test_loading_a_model_that_does_not_fit_needs_force(smollm2_path):
+    args = ("generate", SMOL, "--prompt", "Hello", "--max-tokens", "2")
+    refused = omlx(*args, env={fit.MEMORY_LIMIT_ENV: "150M"})
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "does not fit" in refused.stderr and "--force" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    forced = omlx(*args, "--force", env={fit.MEMORY_LIMIT_ENV: "150M"})
+    assert forced.returncode == 0, forced.stderr
+    assert forced.stdout.strip()
+    assert "does not fit" in forced.stderr  # said, then loaded anyway
+
+
+@pytest.mark.parametrize("name, n_tokens, kv", [(SMOL, 64, "full"), (SMOL, 2048, "balanced"), ("gemma3-270m", 1024, "balanced")])
+def test_estimate_within_15_percent_of_measured_peak_rss(name, n_tokens, kv, smollm2_path, gemma3_path):
+    path = smollm2_path if name == SMOL else gemma3_path
+    # a fresh process: no other test's memory counts
+    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path), str(n_tokens), kv],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss"]
+    estimated = fit.estimate_file(path, n_tokens, kv).total_bytes
+    assert abs(estimated - measured) <= 0.15 * measured, (
+        f"estimate {estimated / MiB:.0f} MiB vs measured peak {measured / MiB:.0f} MiB")
