@@ -97,9 +97,10 @@ CATALOG: dict[str, CatalogEntry] = {
 @dataclass(frozen=True)
 class HubEntry:
     """A known model published on the Hugging Face Hub: fetched with :func:`engine.hub.download`
-    (checked against the Hub's LFS sha256 at download time). ``size`` is the file's size as
-    recorded when the entry was written, for listing offline and the fit check before a
-    download; the download itself takes size and sha256 from the Hub's live listing."""
+    (checked against the Hub's LFS sha256 at download time). ``size`` is approximate: written
+    without network access, not checked against the Hub; it serves the offline listing and the
+    fit check before a download only. The download takes size and sha256 from the Hub's live
+    listing, so a wrong figure here never affects what is fetched or verified."""
 
     name: str
     description: str
