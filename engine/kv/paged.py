@@ -30,7 +30,8 @@ class PagedKVCache(KVCache):
     """One sequence's paged cache over per-layer pools, built from a KVConfig.
 
     The pools are the sequence's own, or shared with other sequences through a PrefixCache
-    (which then also publishes the blocks that fill up, and evicts cached blocks for room).
+    (which then also publishes the blocks that fill up, and evicts cached blocks for room, and
+    passes `attentions`, one attention backend per pool shared by its sequences).
 
     Context limit: with `limit` set, appending past it applies the `overflow` policy (see
     `overflow`: stop, rolling, attention). Later tokens move down (keys re-rotated) so positions
@@ -49,7 +50,7 @@ class PagedKVCache(KVCache):
                  max_tokens: int | None = None, use_kernels: bool | None = None,
                  pools: list[LayerBlockPool] | None = None, prefix_cache=None,
                  limit: int | None = None, overflow: str = "stop", protected_tokens: int = 0,
-                 rerotate=None):
+                 rerotate=None, attentions: list | None = None):
         value_dim = head_dim if value_dim is None else value_dim
         windows = windows or [None] * n_layers
         self.policy = overflow_policy(overflow)
@@ -61,7 +62,8 @@ class PagedKVCache(KVCache):
         self.pools = pools
         layers: list[LayerKVCache] = [
             PagedLayerCache(pool, sinks=config.sinks, window=windows[i], rotation=config.rotation,
-                            use_kernels=use_kernels, track_attention=self.policy.tracks_attention,
+                            use_kernels=use_kernels, attention=attentions[i] if attentions else None,
+                            track_attention=self.policy.tracks_attention,
                             defer_release=prefix_cache is not None)
             for i, pool in enumerate(pools)
         ]

@@ -12,8 +12,9 @@ query's own block and at sink positions), from what the layer staged:
     DecodeKernel         one query in one compiled call (`kv_codes.decode_attention`)
 
 `choose_attention` picks, once per layer cache, which of them serve which calls (`PagedAttention`).
-The backends hold no sequence state: each call gets a `BatchView` or `DecodeView` with the one
-sequence's blocks, tail, sinks and positions, and the layouts they keep are their pool's. So one
+The backends hold no sequence state: each call gets a `BatchView` or `DecodeView` (defined here,
+filled by the layer cache) with the one sequence's blocks, tail, sinks and positions, and the
+layouts they keep are their pool's. So one
 backend per pool serves every sequence over that pool.
 
 Decoding several sequences in one step (a batch over shared pools): stage each sequence's token
@@ -28,12 +29,13 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from ..kernels import HAVE_NUMBA
 from .pool import LayerBlockPool
-from .storage import BatchView, DecodeView
 
 if HAVE_NUMBA:
     from ..kernels import kv_codes
@@ -43,6 +45,58 @@ if HAVE_NUMBA:
 KERNEL_MAX_QUERIES = 16
 # Query rows per block of a batched attention's score matrix ((Hkv, G*rows, keys) float32).
 ATTEND_ROWS = 128
+NO_MASS = np.zeros(0, np.float32)  # the decode kernel's "attention mass not tracked"
+
+
+@dataclass
+class BatchView:
+    """What T new tokens attend over, after the layer stored them (`PagedLayerCache.stage_batch`).
+
+    Positions: the new tokens are start .. start+T-1; the recent region (old tail + new tokens)
+    starts at tail_start, a block boundary; the old blocks (full before this call) hold positions
+    old_first .. old_first + len(old_blocks)*B - 1.
+    """
+
+    q: np.ndarray  # (T, H, D) float32, in the stored keys' basis
+    start: int
+    tail_start: int
+    old_blocks: list[int]
+    old_first: int
+    recent_k: np.ndarray  # (Hkv, R, D) full precision (float16-rounded)
+    recent_v: np.ndarray  # (Hkv, R, Dv)
+    recent_kq: np.ndarray  # as later queries see them: blocks that filled up now dequantized
+    recent_vq: np.ndarray
+    sink_k: np.ndarray  # (Hkv, S, D)
+    sink_v: np.ndarray  # (Hkv, S, Dv)
+    n_sinks: int
+    block_size: int
+    pool: LayerBlockPool
+    mass: np.ndarray | None  # attention mass of positions old_first .. start+T-1 (a view), or None
+    slab_runs: Callable[[list[int]], list]  # the layer's `slab_runs`
+
+
+@dataclass
+class DecodeView:
+    """One sequence's layer state for one decode step, everything the decode kernel reads
+    (`PagedLayerCache.stage_token`); the new token is already the tail's last row.
+
+    A batch of sequences decoded in one step brings one DecodeView per sequence (each with its
+    own rows, tail, sinks and positions) over the shared pools.
+    """
+
+    query: np.ndarray  # (Hkv, G, D) float32 contiguous, in the stored keys' basis
+    position: int  # the new token's position
+    k_rows: np.ndarray  # (nb,) int64 addresses of the K pool rows of the block table
+    v_rows: np.ndarray
+    first_position: int  # position of the first block's first token
+    n_sink_old: int  # sink columns at the head of the blocks
+    sink_k: np.ndarray
+    sink_v: np.ndarray
+    tail_k: np.ndarray  # (Hkv, B, D): rows 0 .. n_recent-1 are the recent tokens
+    tail_v: np.ndarray
+    n_recent: int
+    mass: np.ndarray  # attention mass of positions first_position .. position (a view), or NO_MASS
+    filled: list[int] = field(default_factory=list)  # the block the token completes (joins after)
 
 
 def _dequantized_old(view: BatchView) -> tuple[np.ndarray, np.ndarray]:

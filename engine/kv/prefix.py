@@ -37,6 +37,7 @@ from ..errors import KVPoolFull
 from .config import KVConfig
 from .formats import get_format
 from .paged import PagedKVCache
+from .paged_attention import choose_attention
 from .pool import build_pools
 
 log = logging.getLogger("omlx.kv.prefix")
@@ -142,9 +143,9 @@ class PrefixCache:
         ).digest()
         self.pools = build_pools(config, model.n_layers, model.n_kv_heads, model.head_dim, model.value_dim,
                                  max_tokens=capacity_tokens)
+        self.attentions = [choose_attention(pool, use_kernels) for pool in self.pools]  # shared by sequences
         self.entries: OrderedDict[bytes, Entry] = OrderedDict()
         self.disk = disk
-        self.use_kernels = use_kernels
         self.windows = [model.layer_window(i) for i in range(model.n_layers)]
 
     # -- keys --------------------------------------------------------------------------------
@@ -164,7 +165,7 @@ class PrefixCache:
                      protected_tokens: int = 0) -> PagedKVCache:
         return self.model.new_cache(self.config, pools=self.pools, prefix_cache=self, limit=limit,
                                     overflow=overflow, protected_tokens=protected_tokens,
-                                    use_kernels=self.use_kernels)
+                                    attentions=self.attentions)
 
     def usable_blocks(self, keys: list[bytes]) -> int:
         """How many leading blocks of `keys` a new sequence can attach: all in memory, and every

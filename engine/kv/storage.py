@@ -17,77 +17,23 @@ query is rotated the same way, so q·k is unchanged while outlier channels are s
 quantizing. Values are never rotated.
 
 `PagedLayerCache` only stores: it appends, trims, attaches, drops and releases blocks, and hands
-its attention backend (`paged_attention`) what a step sees as a `BatchView` or a `DecodeView`.
+its attention backend (`paged_attention`) what a step sees, as a `BatchView` or a `DecodeView`
+(defined there: they are the backends' input).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from ..errors import KVPoolFull
 from .cache import LayerKVCache
 from .formats import hadamard
+from .paged_attention import NO_MASS, BatchView, DecodeView, choose_attention
 from .pool import LayerBlockPool
-
-NO_MASS = np.zeros(0, np.float32)  # the decode kernel's "attention mass not tracked"
 
 
 def round_f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float32)
-
-
-@dataclass
-class BatchView:
-    """What T new tokens attend over, after the layer stored them (`PagedLayerCache.stage_batch`).
-
-    Positions: the new tokens are start .. start+T-1; the recent region (old tail + new tokens)
-    starts at tail_start, a block boundary; the old blocks (full before this call) hold positions
-    old_first .. old_first + len(old_blocks)*B - 1.
-    """
-
-    q: np.ndarray  # (T, H, D) float32, in the stored keys' basis
-    start: int
-    tail_start: int
-    old_blocks: list[int]
-    old_first: int
-    recent_k: np.ndarray  # (Hkv, R, D) full precision (float16-rounded)
-    recent_v: np.ndarray  # (Hkv, R, Dv)
-    recent_kq: np.ndarray  # as later queries see them: blocks that filled up now dequantized
-    recent_vq: np.ndarray
-    sink_k: np.ndarray  # (Hkv, S, D)
-    sink_v: np.ndarray  # (Hkv, S, Dv)
-    n_sinks: int
-    block_size: int
-    pool: LayerBlockPool
-    mass: np.ndarray | None  # attention mass of positions old_first .. start+T-1 (a view), or None
-    slab_runs: Callable[[list[int]], list]  # the layer's `slab_runs`
-
-
-@dataclass
-class DecodeView:
-    """One sequence's layer state for one decode step, everything the decode kernel reads
-    (`PagedLayerCache.stage_token`); the new token is already the tail's last row.
-
-    A batch of sequences decoded in one step brings one DecodeView per sequence (each with its
-    own rows, tail, sinks and positions) over the shared pools.
-    """
-
-    query: np.ndarray  # (Hkv, G, D) float32 contiguous, in the stored keys' basis
-    position: int  # the new token's position
-    k_rows: np.ndarray  # (nb,) int64 addresses of the K pool rows of the block table
-    v_rows: np.ndarray
-    first_position: int  # position of the first block's first token
-    n_sink_old: int  # sink columns at the head of the blocks
-    sink_k: np.ndarray
-    sink_v: np.ndarray
-    tail_k: np.ndarray  # (Hkv, B, D): rows 0 .. n_recent-1 are the recent tokens
-    tail_v: np.ndarray
-    n_recent: int
-    mass: np.ndarray  # attention mass of positions first_position .. position (a view), or NO_MASS
-    filled: list[int] = field(default_factory=list)  # the block the token completes (joins after)
 
 
 class PagedLayerCache(LayerKVCache):
@@ -107,8 +53,6 @@ class PagedLayerCache(LayerKVCache):
     def __init__(self, pool: LayerBlockPool, *, sinks: int = 4, window: int | None = None,
                  rotation: bool = False, use_kernels: bool | None = None, attention=None,
                  track_attention: bool = False, defer_release: bool = False):
-        from .paged_attention import choose_attention
-
         self.pool = pool
         self.B = pool.block_size
         self.window = window
