@@ -5,7 +5,7 @@
 For each KV format pair and model geometry, times one decode step's worth of attention over the
 quantized blocks of one layer: scores q·k (`attention_scores`) plus Σ p·v (`weighted_values`),
 against the numpy path (`fmt.dequantize` of the same blocks, then two matmuls). The kernels are
-timed as one call over all blocks and as engine.kv.paged calls them: one call per pool slab of 16
+timed as one call over all blocks and as engine.kv.paged_attention calls them: one call per pool slab of 16
 blocks. Each kernel time is given per numba thread count (numba.set_num_threads); with more than
 one thread, kv_codes.PARALLEL_MIN_VALUES is set to --parallel-min (default: split every slab call),
 since the kernels use one thread by default. Times are the

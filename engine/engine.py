@@ -58,7 +58,7 @@ class GenerationStats:
 class GenerationResult:
     ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS/end of turn), "stop_string", "length", "context_full", "cancelled"
+    finish_reason: str  # "stop" (EOS/end of turn), "stop_string", "length", "context_full", "kv_pool_full", "cancelled"
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
@@ -386,8 +386,11 @@ class Engine:
                 break
             try:
                 logits = self.model.forward([token], cache, "last")[0]
-            except (ContextFull, KVPoolFull):
+            except ContextFull:
                 reason = "context_full"
+                break
+            except KVPoolFull:  # the memory budget ran out, not the context
+                reason = "kv_pool_full"
                 break
             if len(ids) % 16 == 0:
                 peak.sample()

@@ -1,6 +1,6 @@
 """KV-cache quality: how far a quantized cache moves next-token distributions from the same
 engine's 16-bit cache, measured the way decode sees the cache (quantized full blocks,
-full-precision tail and sinks; see engine.kv.paged)."""
+full-precision tail and sinks; see engine.kv.storage)."""
 
 from __future__ import annotations
 

@@ -576,15 +576,31 @@ def test_trim_into_released_window_blocks_raises(gemma6):
 
 
 def test_trim_never_silently_loses_keys_a_window_query_needs(gemma6):
-    ids = ids_for(gemma6, 40)
-    cache = gemma6.new_cache("f16,bs=4")
-    first = prefill(gemma6, cache, ids)
-    try:
-        cache.trim(5)
-    except ValueError:
-        return  # refusing is correct
-    again = prefill(gemma6, cache, ids[35:])
-    np.testing.assert_allclose(again, first[35:], rtol=0, atol=1e-4 * np.abs(first).max())
+    """A trim is either refused (a window query would need a released block) or re-feeding the
+    trimmed tokens reproduces the logits. After 42 tokens the local layers (window 8) hold
+    32..41, so trims of 1..3 tokens (the next query needs 33..40 at the lowest) are legal — trim(3)
+    reopens block 36..39 — and longer ones are refused."""
+    ids = ids_for(gemma6, 42)
+    first = prefill(gemma6, gemma6.new_cache("f16,bs=4"), ids)
+    tol = dict(rtol=0, atol=1e-4 * np.abs(first).max())
+    legal = []
+    for n in range(1, 8):
+        cache = gemma6.new_cache("f16,bs=4")
+        prefill(gemma6, cache, ids)
+        assert cache.layers[0].first_position == 32
+        target = 42 - n
+        if target - 8 + 1 < 32:  # the next query's window reaches a released block
+            state = _layer_state(cache)
+            with pytest.raises(ValueError, match="sliding window"):
+                cache.trim(n)
+            assert _layer_state(cache) == state
+            continue
+        cache.trim(n)
+        assert cache.offset == target
+        again = prefill(gemma6, cache, ids[target:])
+        np.testing.assert_allclose(again, first[target:], **tol, err_msg=str(n))
+        legal.append(n)
+    assert legal == [1, 2, 3]
 
 
 # ---- sinks ---------------------------------------------------------------------------------------------
@@ -707,6 +723,38 @@ def test_decode_into_a_full_pool_raises_before_changing_the_layer(use_kernels):
     np.testing.assert_allclose(out, ref[0].attend(q, k, v, scale=0.125, window=None)[7:], atol=2e-5, rtol=0)
 
 
+def test_a_full_pool_is_kv_pool_full_through_the_model_and_the_engine(tmp_path):
+    """The whole forward path of a tiny model with a pool budget: decoding fills the pool and the
+    forward pass raises KVPoolFull (not ContextFull, not a MemoryError); `generate` ends the
+    answer with the finish reason "kv_pool_full", where a context limit gives "context_full"."""
+    from engine.engine import Engine
+    from engine.errors import ContextFull
+    from engine.sampling import SamplingParams
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama", **{**TINY, "n_layers": 2})
+    engine = Engine.load(path, kv="k4v4,bs=16")
+    model = engine.model
+    ids = ids_for(model, 64, seed=5)
+    cache = model.new_cache("k4v4,bs=16", max_tokens=48)  # 3 blocks per layer, plus the tail
+    prefill(model, cache, ids[:40])
+    decode(model, cache, ids[40:63])  # 63 tokens: 3 blocks and a 15-token tail
+    assert cache.offset == 63
+    with pytest.raises(KVPoolFull) as raised:
+        model.forward(ids[63:64], cache, "last")  # the 64th token needs a fourth block
+    assert not isinstance(raised.value, (ContextFull, MemoryError))
+    assert raised.value.kind == "kv_pool_full"
+    assert cache.offset == 63 and all(p.n_used == 3 for p in cache.pools)
+
+    greedy = SamplingParams(temperature=0)
+    prompt = ids[:20].tolist()
+    cache = model.new_cache("k4v4,bs=16", max_tokens=48)
+    full = engine.generate(prompt, max_tokens=100, sampling=greedy, cache=cache)
+    assert full.finish_reason == "kv_pool_full"
+    assert cache.offset == 63 and len(prompt) + len(full.ids) == 64  # the last token found no room
+    limited = model.new_cache("k4v4,bs=16", limit=48)
+    assert engine.generate(prompt, max_tokens=100, sampling=greedy, cache=limited).finish_reason == "context_full"
+
+
 # ---- memory of the real models -----------------------------------------------------------------------
 
 N_REAL = 1024
@@ -796,10 +844,10 @@ def test_attention_kernels_warm_up_once_and_log(caplog, monkeypatch):
     took (the first start on a machine compiles them)."""
     import logging
 
-    from engine.kv import paged
+    from engine.kv import paged_attention
 
-    monkeypatch.setattr(paged, "_attention_warm", False)
+    paged_attention._compile_attention_kernels.cache_clear()  # as in a new process
     with caplog.at_level(logging.INFO, logger="omlx.kernels"):
-        assert paged.warm_up_attention() > 0
+        assert paged_attention.warm_up_attention() > 0
     assert any("attention kernels ready in" in r.getMessage() for r in caplog.records)
-    assert paged.warm_up_attention() == 0.0
+    assert paged_attention.warm_up_attention() == 0.0

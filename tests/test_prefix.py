@@ -9,7 +9,7 @@ import pytest
 
 from engine.gguf_file import GGUFFile
 from engine.kv.config import parse_kv
-from engine.kv.paged import ContextFull
+from engine.errors import ContextFull, KVPoolFull
 from engine.kv.prefix import PrefixCache, PrefixDiskStore, layout_signature
 from engine.models import load_model
 from engine.models.base import apply_rope, rope_tables

@@ -40,8 +40,8 @@ class LayerKVCache(ABC):
 class FullPrecisionLayerCache(LayerKVCache):
     """K and V rounded to float16 values (as llama.cpp's default cache) in a growing buffer.
 
-    The rounded values are kept as float32: numpy's float16→float32 conversion of the whole
-    cache on every decode step cost more than all the matrix products together.
+    The rounded values are kept as float32: a float16 buffer would be converted whole to float32
+    on every decode step, work of the order of the attention itself.
     """
 
     def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int = 256):

@@ -15,7 +15,7 @@ from collections import deque
 
 import numpy as np
 
-from .formats import KVFormat
+from .formats import KVFormat, get_format
 
 SLAB_BLOCKS = 16
 
@@ -153,3 +153,17 @@ class LayerBlockPool:
         if not self.k_slabs:
             return 0
         return self.n_used * (self.k_slabs[0][0].nbytes + self.v_slabs[0][0].nbytes)
+
+
+def build_pools(config, n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int, *,
+                max_tokens: int | None = None) -> list[LayerBlockPool]:
+    """One LayerBlockPool per layer with the formats `config` gives that layer (a `KVConfig`).
+
+    Args:
+        max_tokens: tokens each pool may hold, rounded up to whole blocks (None: no limit).
+    """
+    B = config.block_size
+    max_blocks = None if max_tokens is None else -(-max_tokens // B)
+    return [LayerBlockPool(get_format(p.k_bits, "k"), get_format(p.v_bits, "v"), n_kv_heads, B,
+                           head_dim, value_dim, max_blocks=max_blocks)
+            for p in config.per_layer(n_layers)]

@@ -37,7 +37,8 @@ from ..errors import KVPoolFull
 from .config import KVConfig
 from .formats import get_format
 from .paged import PagedKVCache
-from .pool import LayerBlockPool
+from .paged_attention import choose_attention
+from .pool import build_pools
 
 log = logging.getLogger("omlx.kv.prefix")
 
@@ -140,15 +141,11 @@ class PrefixCache:
         self.root = hashlib.sha256(
             f"omlx-kv-prefix|{FORMAT_VERSION}|{model_id}|{self.signature}".encode()
         ).digest()
-        max_blocks = -(-capacity_tokens // self.B)
-        self.pools = [
-            LayerBlockPool(get_format(p.k_bits, "k"), get_format(p.v_bits, "v"), model.n_kv_heads, self.B,
-                           model.head_dim, model.value_dim, max_blocks=max_blocks)
-            for p in config.per_layer(model.n_layers)
-        ]
+        self.pools = build_pools(config, model.n_layers, model.n_kv_heads, model.head_dim, model.value_dim,
+                                 max_tokens=capacity_tokens)
+        self.attentions = [choose_attention(pool, use_kernels) for pool in self.pools]  # shared by sequences
         self.entries: OrderedDict[bytes, Entry] = OrderedDict()
         self.disk = disk
-        self.use_kernels = use_kernels
         self.windows = [model.layer_window(i) for i in range(model.n_layers)]
 
     # -- keys --------------------------------------------------------------------------------
@@ -168,7 +165,7 @@ class PrefixCache:
                      protected_tokens: int = 0) -> PagedKVCache:
         return self.model.new_cache(self.config, pools=self.pools, prefix_cache=self, limit=limit,
                                     overflow=overflow, protected_tokens=protected_tokens,
-                                    use_kernels=self.use_kernels)
+                                    attentions=self.attentions)
 
     def usable_blocks(self, keys: list[bytes]) -> int:
         """How many leading blocks of `keys` a new sequence can attach: all in memory, and every
@@ -210,14 +207,9 @@ class PrefixCache:
         if n == 0:
             return Reuse()
         entries = [self.entries[k] for k in keys[:n]]
-        sinks = entries[0].sinks
-        for layer, cache in enumerate(seq.layers):
-            sk, sv = sinks[layer] if sinks is not None else (None, None)
-            cache.attach([e.blocks[layer] for e in entries], sk, sv)
-        seq.token_ids = [int(t) for t in token_ids[: n * self.B]]
-        seq.history = list(seq.token_ids)
-        seq.chain_keys = list(keys[:n])
-        seq.n_published = n
+        seq.adopt_prefix(token_ids[: n * self.B], keys[:n],
+                         [[e.blocks[layer] for e in entries] for layer in range(self.n_layers)],
+                         entries[0].sinks)
         self.touch(keys[:n])
         return Reuse(tokens=n * self.B, disk_tokens=disk_tokens, keys=list(keys[:n]))
 
@@ -237,8 +229,7 @@ class PrefixCache:
                 self.entries[key] = Entry(key, i, blocks, sinks)
             else:
                 self.entries.move_to_end(key)
-        seq.chain_keys[start:] = keys
-        seq.n_published = stop
+        seq.mark_published(start, keys)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark entries as just used, in the given order (the last is the most recent)."""

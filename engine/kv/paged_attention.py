@@ -1,0 +1,390 @@
+"""Attention over a paged layer cache: the arithmetic `PagedLayerCache` hands off.
+
+Every path computes the same thing, the visibility rule of `storage` (a key is seen through its
+quantized block once its block was full before the query's block began, at full precision in the
+query's own block and at sink positions), from what the layer staged:
+
+    ReferenceAttention   numpy, any number of queries; the tests' oracle
+    PackedCodeAttention  the reference with the old blocks scored and weighted straight from
+                         their packed codes (compiled kernels): short batches
+    BatchedAttention     many queries (prefill, teacher forcing): one BLAS product over the keys
+                         as stored, the few full-precision scores recomputed, a compiled softmax
+    DecodeKernel         one query in one compiled call (`kv_codes.decode_attention`)
+
+`choose_attention` picks, once per layer cache, which of them serve which calls (`PagedAttention`).
+The backends hold no sequence state: each call gets a `BatchView` or `DecodeView` (defined here,
+filled by the layer cache) with the one sequence's blocks, tail, sinks and positions, and the
+layouts they keep are their pool's. So one
+backend per pool serves every sequence over that pool.
+
+Decoding several sequences in one step (a batch over shared pools): stage each sequence's token
+(`PagedLayerCache.stage_token` gives its DecodeView; a full pool fails there, before anything
+changes), run `DecodeKernel.attend` per view — or one compiled call over all the views, which
+share the pool's layouts and differ only in rows, tail, sinks, positions and query —, then
+`commit_token` each sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..kernels import HAVE_NUMBA
+from .pool import LayerBlockPool
+
+if HAVE_NUMBA:
+    from ..kernels import kv_codes
+
+# Queries per KV head (query heads per KV head × new tokens) up to which the packed-code kernels
+# are used; larger prefill batches dequantize the old blocks once and use BLAS.
+KERNEL_MAX_QUERIES = 16
+# Query rows per block of a batched attention's score matrix ((Hkv, G*rows, keys) float32).
+ATTEND_ROWS = 128
+NO_MASS = np.zeros(0, np.float32)  # the decode kernel's "attention mass not tracked"
+
+
+@dataclass
+class BatchView:
+    """What T new tokens attend over, after the layer stored them (`PagedLayerCache.stage_batch`).
+
+    Positions: the new tokens are start .. start+T-1; the recent region (old tail + new tokens)
+    starts at tail_start, a block boundary; the old blocks (full before this call) hold positions
+    old_first .. old_first + len(old_blocks)*B - 1.
+    """
+
+    q: np.ndarray  # (T, H, D) float32, in the stored keys' basis
+    start: int
+    tail_start: int
+    old_blocks: list[int]
+    old_first: int
+    recent_k: np.ndarray  # (Hkv, R, D) full precision (float16-rounded)
+    recent_v: np.ndarray  # (Hkv, R, Dv)
+    recent_kq: np.ndarray  # as later queries see them: blocks that filled up now dequantized
+    recent_vq: np.ndarray
+    sink_k: np.ndarray  # (Hkv, S, D)
+    sink_v: np.ndarray  # (Hkv, S, Dv)
+    n_sinks: int
+    block_size: int
+    pool: LayerBlockPool
+    mass: np.ndarray | None  # attention mass of positions old_first .. start+T-1 (a view), or None
+    slab_runs: Callable[[list[int]], list]  # the layer's `slab_runs`
+
+
+@dataclass
+class DecodeView:
+    """One sequence's layer state for one decode step, everything the decode kernel reads
+    (`PagedLayerCache.stage_token`); the new token is already the tail's last row.
+
+    A batch of sequences decoded in one step brings one DecodeView per sequence (each with its
+    own rows, tail, sinks and positions) over the shared pools.
+    """
+
+    query: np.ndarray  # (Hkv, G, D) float32 contiguous, in the stored keys' basis
+    position: int  # the new token's position
+    k_rows: np.ndarray  # (nb,) int64 addresses of the K pool rows of the block table
+    v_rows: np.ndarray
+    first_position: int  # position of the first block's first token
+    n_sink_old: int  # sink columns at the head of the blocks
+    sink_k: np.ndarray
+    sink_v: np.ndarray
+    tail_k: np.ndarray  # (Hkv, B, D): rows 0 .. n_recent-1 are the recent tokens
+    tail_v: np.ndarray
+    n_recent: int
+    mass: np.ndarray  # attention mass of positions first_position .. position (a view), or NO_MASS
+    filled: list[int] = field(default_factory=list)  # the block the token completes (joins after)
+
+
+def _dequantized_old(view: BatchView) -> tuple[np.ndarray, np.ndarray]:
+    """The old blocks as the queries see them: dequantized, sink positions exact.
+    ((Hkv, L_old, D), (Hkv, L_old, Dv))."""
+    Hkv, S, old_first = view.pool.n_kv_heads, view.n_sinks, view.old_first
+    L_old = len(view.old_blocks) * view.block_size
+    k_old, v_old = view.pool.dequantize(view.old_blocks)  # (nb, Hkv, B, D)
+    k_old = k_old.transpose(1, 0, 2, 3).reshape(Hkv, L_old, -1)
+    v_old = v_old.transpose(1, 0, 2, 3).reshape(Hkv, L_old, -1)
+    n_sink_old = int(np.clip(S - old_first, 0, L_old))  # sink columns at the head of the old region
+    if n_sink_old:
+        k_old[:, :n_sink_old] = view.sink_k[:, old_first : old_first + n_sink_old]
+        v_old[:, :n_sink_old] = view.sink_v[:, old_first : old_first + n_sink_old]
+    return k_old, v_old
+
+
+class ReferenceAttention:
+    """Scores over [old blocks | recent region] for all T queries at once, masked softmax, values;
+    numpy only."""
+
+    def attend(self, view: BatchView, *, scale: float, window: int | None) -> np.ndarray:
+        q = view.q
+        T, H, D = q.shape
+        Hkv = view.pool.n_kv_heads
+        G = H // Hkv
+        B, S = view.block_size, view.n_sinks
+        start, old_first = view.start, view.old_first
+        recent_k, recent_v, recent_kq, recent_vq = view.recent_k, view.recent_v, view.recent_kq, view.recent_vq
+
+        q_pos = np.arange(start, start + T)
+        qg = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * T, D)
+        q_pos_g = np.tile(q_pos, G)  # (G*T,) query position of row g*T + t
+        r_pos = np.arange(view.tail_start, start + T)  # (R,)
+        sc = np.float32(scale)
+
+        # Scores over the recent region: quantized where j's block was full before p's block began.
+        s_fp = np.matmul(qg, recent_k.transpose(0, 2, 1)) * sc  # (Hkv, G*T, R)
+        s_q = np.matmul(qg, recent_kq.transpose(0, 2, 1)) * sc
+        same_block = (r_pos[None, :] // B) >= (q_pos_g[:, None] // B)  # (G*T, R)
+        use_fp = same_block | (r_pos[None, :] < S)
+        s_recent = np.where(use_fp[None], s_fp, s_q)
+
+        # Scores over the old blocks (all quantized before this call).
+        L_old = len(view.old_blocks) * B
+        old_pos = np.arange(old_first, old_first + L_old)
+        if L_old == 0:
+            s_old, old_values = np.zeros((Hkv, G * T, 0), np.float32), None
+        else:
+            s_old, old_values = self._old_scores(view, qg, sc)
+
+        # Softmax over [old | recent] with the causal and sliding-window mask.
+        scores = np.concatenate([s_old, s_recent], axis=2)  # (Hkv, G*T, L_old + R)
+        k_pos = np.concatenate([old_pos, r_pos])
+        visible = k_pos[None, :] <= q_pos_g[:, None]
+        if window is not None:
+            visible &= (q_pos_g[:, None] - k_pos[None, :]) < window
+        scores = np.where(visible[None], scores, np.float32(-np.inf))
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        p_old, p_recent = scores[:, :, :L_old], scores[:, :, L_old:]
+        if view.mass is not None:  # key positions old_first .. start+T-1 are contiguous
+            view.mass += scores.sum(axis=(0, 1))
+
+        p_fp = np.where(use_fp[None], p_recent, np.float32(0))
+        out = np.matmul(p_fp, recent_v) + np.matmul(p_recent - p_fp, recent_vq)  # (Hkv, G*T, Dv)
+        if L_old:
+            self._add_old_values(view, p_old, old_values, out)
+        Dv = out.shape[-1]
+        return out.reshape(Hkv, G, T, Dv).transpose(2, 0, 1, 3).reshape(T, H, Dv)
+
+    def _old_scores(self, view: BatchView, qg: np.ndarray, sc: np.float32):
+        """Scaled scores over the old blocks (Hkv, M, L_old), and what `_add_old_values` needs."""
+        k_old, v_old = _dequantized_old(view)
+        return np.matmul(qg, k_old.transpose(0, 2, 1)) * sc, v_old
+
+    def _add_old_values(self, view: BatchView, p_old: np.ndarray, v_old, out: np.ndarray) -> None:
+        """out (Hkv, M, Dv) += the old blocks' values weighted by p_old (Hkv, M, L_old)."""
+        out += np.matmul(p_old, v_old)
+
+
+class PackedCodeAttention(ReferenceAttention):
+    """The reference, with the old blocks read from their packed codes (no dequantized copy);
+    sink positions among them are taken from the exact sinks."""
+
+    def _old_scores(self, view: BatchView, qg: np.ndarray, sc: np.float32):
+        pool, B = view.pool, view.block_size
+        Hkv, M, _ = qg.shape
+        s_old = np.empty((Hkv, M, len(view.old_blocks) * B), np.float32)
+        for slab, rows, cols in view.slab_runs(view.old_blocks):
+            s_old[:, :, cols] = kv_codes.attention_scores(pool.k_format, pool.k_slabs[slab], rows, qg, B)
+        s_old = s_old * sc
+        n_sink_old = self._n_sink_old(view)
+        if n_sink_old:
+            sink_k = view.sink_k[:, view.old_first : view.old_first + n_sink_old]
+            s_old[:, :, :n_sink_old] = np.matmul(qg, sink_k.transpose(0, 2, 1)) * sc
+        return s_old, None
+
+    def _add_old_values(self, view: BatchView, p_old: np.ndarray, _, out: np.ndarray) -> None:
+        pool, B = view.pool, view.block_size
+        n_sink_old = self._n_sink_old(view)
+        if n_sink_old:
+            p_sink = p_old[:, :, :n_sink_old].copy()
+            p_old = p_old.copy()
+            p_old[:, :, :n_sink_old] = 0
+            out += np.matmul(p_sink, view.sink_v[:, view.old_first : view.old_first + n_sink_old])
+        part_sum = None
+        for slab, rows, cols in view.slab_runs(view.old_blocks):
+            part = kv_codes.weighted_values(pool.v_format, pool.v_slabs[slab], rows, p_old[:, :, cols], B,
+                                            pool.value_dim)
+            part_sum = part if part_sum is None else part_sum + part
+        out += part_sum
+
+    @staticmethod
+    def _n_sink_old(view: BatchView) -> int:
+        return int(np.clip(view.n_sinks - view.old_first, 0, len(view.old_blocks) * view.block_size))
+
+
+class BatchedAttention:
+    """Many new tokens: one BLAS product over the keys as stored (old blocks and the blocks that
+    fill up now, dequantized), then the few scores that see full precision recomputed — each
+    query's own block and the sinks —, the masked softmax in one compiled pass per row, and the
+    values likewise. Needs numba (`kv_codes.masked_softmax`)."""
+
+    def attend(self, view: BatchView, *, scale: float, window: int | None) -> np.ndarray:
+        q = view.q
+        T, H, D = q.shape
+        Hkv, B, S = view.pool.n_kv_heads, view.block_size, view.n_sinks
+        G = H // Hkv
+        start, tail_start, old_first = view.start, view.tail_start, view.old_first
+        recent_k, recent_v, recent_kq, recent_vq = view.recent_k, view.recent_v, view.recent_kq, view.recent_vq
+        R = recent_k.shape[1]
+        L_old = len(view.old_blocks) * B
+        if L_old:
+            k_old, v_old = _dequantized_old(view)
+            keys = np.concatenate([k_old, recent_kq], axis=1)  # (Hkv, L, D)
+            values = np.concatenate([v_old, recent_vq], axis=1)
+        else:
+            keys, values = recent_kq, recent_vq
+        q4 = q.reshape(T, Hkv, G, D).transpose(1, 2, 0, 3)  # (Hkv, G, T, D)
+        # Full precision where the stored copy differs: each query's own block (a block that
+        # filled up during this call) and sink positions inside the recent region.
+        fixes = []  # (query rows t0:t1, recent columns c0:c1), disjoint
+        for c0 in range(0, R - R % B, B):  # recent blocks that are now full (quantized)
+            t0 = min(T, max(0, tail_start + c0 - start))
+            t1 = min(T, max(0, tail_start + c0 + B - start))
+            if t0 < t1:  # the block's own queries
+                fixes.append((t0, t1, c0, c0 + B))
+            sinks_end = min(c0 + B, S - tail_start)
+            if sinks_end > c0 and t1 < T:  # sinks in this block, for the later queries
+                fixes.append((t1, T, c0, sinks_end))
+        # Visible columns of query t: [lo, hi), causal and sliding-window.
+        q_pos = np.arange(start, start + T)
+        hi = q_pos - old_first + 1
+        lo = np.zeros(T, np.int64) if window is None else np.maximum(0, q_pos - window + 1 - old_first)
+        Dv = values.shape[-1]
+        out = np.empty((T, Hkv, G, Dv), np.float32)
+        # Rows in blocks of ATTEND_ROWS queries, each over the columns its rows can see: the score
+        # matrix stays small (peak memory at long contexts) and the causal triangle is skipped.
+        for r0 in range(0, T, ATTEND_ROWS):
+            r1 = min(T, r0 + ATTEND_ROWS)
+            n, c_lo, c_hi = r1 - r0, int(lo[r0]), int(hi[r1 - 1])
+            q_rows = q4[:, :, r0:r1]  # (Hkv, G, n, D)
+            scores = np.matmul(q_rows.reshape(Hkv, G * n, D), keys[:, c_lo:c_hi].transpose(0, 2, 1))
+            s4 = scores.reshape(Hkv, G, n, c_hi - c_lo)
+            row_fixes = []  # (rows a:b of this block, columns a..b of s4, recent columns c0:c1)
+            for t0, t1, c0, c1 in fixes:
+                a, b = max(t0, r0) - r0, min(t1, r1) - r0
+                c0, c1 = max(c0, c_lo - L_old), min(c1, c_hi - L_old)  # the columns in view
+                if a < b and c0 < c1:
+                    cols = (L_old + c0 - c_lo, L_old + c1 - c_lo)
+                    row_fixes.append((a, b, cols, c0, c1))
+                    s4[:, :, a:b, cols[0] : cols[1]] = np.matmul(
+                        q_rows[:, :, a:b], recent_k[:, None, c0:c1].transpose(0, 1, 3, 2))
+            kv_codes.masked_softmax(scores, lo[r0:r1] - c_lo, hi[r0:r1] - c_lo, np.float32(scale))
+            if view.mass is not None:  # key positions old_first + c_lo .. are contiguous
+                view.mass[c_lo:c_hi] += scores.sum(axis=(0, 1))
+            # The fixed regions' weights go to the full-precision values instead of the stored
+            # ones (taken out of the big product rather than corrected by a difference, so that a
+            # float16 cache, where both copies are equal, gives bit-identical results).
+            p_fix = []
+            for a, b, (x0, x1), _, _ in row_fixes:
+                p_fix.append(s4[:, :, a:b, x0:x1].copy())
+                s4[:, :, a:b, x0:x1] = 0
+            o = np.matmul(scores, values[:, c_lo:c_hi]).reshape(Hkv, G, n, Dv)
+            for (a, b, _, c0, c1), p in zip(row_fixes, p_fix):
+                o[:, :, a:b] += np.matmul(p, recent_v[:, None, c0:c1])
+            out[r0:r1] = o.transpose(2, 0, 1, 3)
+        return out.reshape(T, H, Dv)
+
+
+class DecodeKernel:
+    """One new token over one sequence's layer in one compiled call: the visibility rule where a
+    single query's own block is the tail (with the new token) and every earlier full block is
+    seen quantized. Built per pool (the row layouts of its formats); the sequence's state comes
+    in the DecodeView."""
+
+    def __init__(self, pool: LayerBlockPool):
+        Hkv, B = pool.n_kv_heads, pool.block_size
+        self.block_size = B
+        self.value_dim = pool.value_dim
+        self.k_layout = kv_codes.decode_layout(pool.k_format, Hkv, B, pool.head_dim)
+        self.v_layout = kv_codes.decode_layout(pool.v_format, Hkv, B, pool.value_dim)
+
+    def attend(self, view: DecodeView, *, scale: float, window: int | None) -> np.ndarray:
+        """(Hkv, G, Dv) float32: the new token's attention output per query head."""
+        Hkv, G, _ = view.query.shape
+        first_visible = 0 if window is None else max(0, view.position - window + 1 - view.first_position)
+        out = np.empty((Hkv, G, self.value_dim), np.float32)
+        kv_codes.decode_attention(
+            view.k_rows, view.v_rows, self.k_layout, self.v_layout, self.block_size, view.query,
+            np.float32(scale), view.sink_k, view.sink_v, view.first_position, view.n_sink_old,
+            view.tail_k, view.tail_v, view.n_recent, first_visible, view.mass, out)
+        return out
+
+
+class PagedAttention:
+    """Which path serves which call, fixed when the layer cache is made:
+
+        one new token                              `decode`, when set
+        more query rows than KERNEL_MAX_QUERIES    `batched`, when set (G*T rows per KV head)
+        anything else                              `general` (the reference, or its packed-code form)
+    """
+
+    def __init__(self, general: ReferenceAttention, batched: BatchedAttention | None = None,
+                 decode: DecodeKernel | None = None):
+        self.general, self.batched, self.decode = general, batched, decode
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.decode is not None
+
+    def attend(self, layer, q, k, v, *, scale: float, window: int | None) -> np.ndarray:
+        """Store the T new tokens in `layer` (a PagedLayerCache) and return their attention
+        output (T, H, Dv)."""
+        T, H, _ = q.shape
+        if T == 1 and self.decode is not None:
+            view = layer.stage_token(q, k, v)
+            out = self.decode.attend(view, scale=scale, window=window)
+            layer.commit_token(view)
+            return out.reshape(1, H, -1)
+        view = layer.stage_batch(q, k, v)
+        if self.batched is not None and (H // layer.pool.n_kv_heads) * T > KERNEL_MAX_QUERIES:
+            return self.batched.attend(view, scale=scale, window=window)
+        return self.general.attend(view, scale=scale, window=window)
+
+
+
+def choose_attention(pool: LayerBlockPool, use_kernels: bool | None = None) -> PagedAttention:
+    """The paths for caches over `pool`: the compiled ones when numba is there (`use_kernels`
+    None or True) and the formats' rows suit the kernels (head and value dims multiples of 8);
+    without numba, the numpy reference for everything."""
+    if not HAVE_NUMBA:
+        return PagedAttention(ReferenceAttention())
+    kernel_formats = pool.head_dim % 8 == 0 and pool.value_dim % 8 == 0
+    if (use_kernels is None or use_kernels) and kernel_formats:
+        return PagedAttention(PackedCodeAttention(), BatchedAttention(), DecodeKernel(pool))
+    return PagedAttention(ReferenceAttention(), BatchedAttention())
+
+
+@functools.cache
+def _compile_attention_kernels() -> float:
+    """Run every compiled attention path once on a tiny cache (numba compiles on first call, or
+    loads its on-disk cache) and log the time; the result is remembered for the process."""
+    from .config import KVConfig
+    from .paged import PagedKVCache
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    layer = PagedKVCache(KVConfig.parse("k4v4,bs=16"), n_layers=1, n_kv_heads=1, head_dim=32)[0]
+    q, k = rng.standard_normal((40, 2, 32)).astype(np.float32), rng.standard_normal((40, 1, 32)).astype(np.float32)
+    layer.attend(q[:36], k[:36], k[:36], scale=0.25, window=None)  # batched: fills 2 blocks
+    layer.attend(q[36:37], k[36:37], k[36:37], scale=0.25, window=None)  # one decode step (intrinsics)
+    layer.attend(q[37:40], k[37:40], k[37:40], scale=0.25, window=None)  # a short batch: packed-code path
+    seconds = time.perf_counter() - t0
+    logging.getLogger("omlx.kernels").info("attention kernels ready in %.2f s", seconds)
+    return seconds
+
+
+def warm_up_attention() -> float:
+    """Compile, or load from numba's on-disk cache, the attention kernels (the decode step with
+    every width's code path, the batched softmax, the packed-code kernels short batches use) once
+    per process, on a tiny cache; logs the time (the first start on a machine compiles them). One
+    format is enough: numba compiles per argument types, and every format's layout is the same
+    tuple of ints. Returns the seconds spent (0 when already done or numba is missing)."""
+    if not HAVE_NUMBA:
+        return 0.0
+    done = _compile_attention_kernels.cache_info().currsize > 0
+    seconds = _compile_attention_kernels()
+    return 0.0 if done else seconds

@@ -1,0 +1,397 @@
+"""One layer of one sequence in the paged, quantized KV cache: where its tokens are stored.
+
+Per layer and sequence, the tokens live in three places:
+
+    sinks   positions 0 .. S-1            float16-rounded copy (float32 arrays), never quantized
+    blocks  full blocks of B tokens        quantized rows in a LayerBlockPool (block_table order)
+    tail    the unfinished block (< B)     float16-rounded (float32 arrays); quantized when full
+
+A query at position p sees a key j through its quantized block when j lies in a block that was
+full before p (block(j) < block(p)), and at full precision when j is in p's own block (that block
+was the unfinished tail when p was decoded) or is a sink. Prefill of many tokens at once applies
+exactly this rule, so chunked prefill, teacher-forced evaluation and token-by-token decode all see
+the same cache.
+
+Keys may be stored rotated (k @ H, H an orthonormal Hadamard matrix of the head dimension); the
+query is rotated the same way, so q·k is unchanged while outlier channels are spread before
+quantizing. Values are never rotated.
+
+`PagedLayerCache` only stores: it appends, trims, attaches, drops and releases blocks, and hands
+its attention backend (`paged_attention`) what a step sees, as a `BatchView` or a `DecodeView`
+(defined there: they are the backends' input).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import KVPoolFull
+from .cache import LayerKVCache
+from .formats import hadamard
+from .paged_attention import NO_MASS, BatchView, DecodeView, choose_attention
+from .pool import LayerBlockPool
+
+
+def round_f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+class PagedLayerCache(LayerKVCache):
+    """One layer of one sequence over a shared LayerBlockPool.
+
+    Attributes:
+        block_table: ids of the quantized full blocks, in position order.
+        first_position: position of block_table[0]'s first token (> 0 once a sliding-window layer
+            has freed blocks that no query can see again).
+        attention: the backend `attend` hands its work to (`paged_attention.choose_attention`).
+        track_attention: keep `attn_mass`, the attention each key position received, summed over
+            heads and queries (H2O eviction); (positions,) float32, index = position.
+        defer_release: leave out-of-window blocks to `release_out_of_window` (a prefix cache
+            publishes them first, after the forward pass) instead of releasing them in `attend`.
+    """
+
+    def __init__(self, pool: LayerBlockPool, *, sinks: int = 4, window: int | None = None,
+                 rotation: bool = False, use_kernels: bool | None = None, attention=None,
+                 track_attention: bool = False, defer_release: bool = False):
+        self.pool = pool
+        self.B = pool.block_size
+        self.window = window
+        self.n_sinks = sinks
+        Hkv, D, Dv = pool.n_kv_heads, pool.head_dim, pool.value_dim
+        self.rotation = hadamard(D) if rotation else None
+        self.attention = attention if attention is not None else choose_attention(pool, use_kernels)
+        self.offset = 0
+        self.block_table: list[int] = []
+        self.first_position = 0
+        self.tail_k = np.zeros((Hkv, self.B, D), np.float32)  # (Hkv, B, D)
+        self.tail_v = np.zeros((Hkv, self.B, Dv), np.float32)
+        self.n_tail = 0
+        self.sink_k = np.zeros((Hkv, sinks, D), np.float32)  # (Hkv, S, D)
+        self.sink_v = np.zeros((Hkv, sinks, Dv), np.float32)
+        self._runs_key: tuple = ()
+        self._runs: list = []
+        self._rows_key: tuple = ()
+        self._rows: tuple = ()
+        self.track_attention = track_attention
+        self.attn_mass = np.zeros(0, np.float32)
+        self.defer_release = defer_release
+
+    @property
+    def use_kernels(self) -> bool:
+        """Whether this layer's attention reads packed codes with the compiled kernels."""
+        return self.attention.uses_kernels
+
+    # -- attention (the backend's) -----------------------------------------------------------
+    def attend(self, q, k, v, *, scale, window):
+        out = self.attention.attend(self, q, k, v, scale=scale, window=window)
+        if not self.defer_release:
+            self.release_out_of_window()
+        return out
+
+    def stage_batch(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> BatchView:
+        """Store T new tokens (q (T, H, D), k (T, Hkv, D), v (T, Hkv, Dv)) and return what their
+        queries see. Raises KVPoolFull before any block changes."""
+        T = q.shape[0]
+        start = self.offset
+        q, k16, v16 = self._as_stored(q, k, v)
+        tail_start = start - self.n_tail  # block-aligned: the recent region starts a block
+        old_blocks = list(self.block_table)
+        old_first = self.first_position
+        recent_k, recent_v, recent_kq, recent_vq = self._append(k16, v16, dequantized=True)
+        mass = self._mass_upto(start + T)[old_first : start + T] if self.track_attention else None
+        return BatchView(q, start, tail_start, old_blocks, old_first, recent_k, recent_v, recent_kq,
+                         recent_vq, self.sink_k, self.sink_v, self.n_sinks, self.B, self.pool, mass,
+                         self.slab_runs)
+
+    def stage_token(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> DecodeView:
+        """Put one new token (q (1, H, D), k (1, Hkv, D), v (1, Hkv, Dv)) at the end of the tail
+        and return the decode step's view; `commit_token` finishes the step.
+
+        The block the token completes is quantized here, so that a full pool raises KVPoolFull
+        before the layer changes; it joins the table in `commit_token` (this query sees it whole,
+        as the tail).
+        """
+        _, H, D = q.shape
+        Hkv, B, S = self.pool.n_kv_heads, self.B, self.n_sinks
+        q, k = self._rotated(q, k)
+        start, n = self.offset, self.n_tail
+        self.tail_k[:, n] = k[0].astype(np.float16)  # float16-rounded, as stored everywhere else
+        self.tail_v[:, n] = v[0].astype(np.float16)
+        if start < S:
+            self.sink_k[:, start] = self.tail_k[:, n]
+            self.sink_v[:, start] = self.tail_v[:, n]
+        old_first = self.first_position
+        n_sink_old = int(min(max(S - old_first, 0), len(self.block_table) * B))
+        # key positions old_first .. start are contiguous
+        mass = self._mass_upto(start + 1)[old_first : start + 1] if self.track_attention else NO_MASS
+        k_rows, v_rows = self.row_addresses()
+        filled = self._store(self.tail_k, self.tail_v, 1) if n + 1 == B else []
+        query = np.ascontiguousarray(q[0].reshape(Hkv, H // Hkv, D), dtype=np.float32)
+        return DecodeView(query, start, k_rows, v_rows, old_first, n_sink_old, self.sink_k, self.sink_v,
+                          self.tail_k, self.tail_v, n + 1, mass, filled)
+
+    def commit_token(self, view: DecodeView) -> None:
+        """The decode step of `view` is done: the token counts as stored."""
+        self.offset = view.position + 1
+        self.n_tail = view.n_recent
+        if view.filled:  # later queries see the full block quantized
+            self.block_table.extend(view.filled)
+            self.n_tail = 0
+
+    # -- storing -----------------------------------------------------------------------------
+    def _store(self, recent_k: np.ndarray, recent_v: np.ndarray, n_full: int) -> list[int]:
+        """Quantize the first n_full blocks of the recent region into new pool blocks."""
+        if n_full == 0:
+            return []
+        B = self.B
+        Hkv, _, D = recent_k.shape
+        blocks = []
+        for _ in range(n_full):
+            block = self.pool.allocate()
+            if block is None:
+                for b in blocks:
+                    self.pool.decref(b)
+                raise KVPoolFull("the KV block pool is full")
+            blocks.append(block)
+        k = recent_k[:, : n_full * B].reshape(Hkv, n_full, B, D).transpose(1, 0, 2, 3)
+        v = recent_v[:, : n_full * B].reshape(Hkv, n_full, B, -1).transpose(1, 0, 2, 3)
+        self.pool.write(blocks, k, v)
+        return blocks
+
+    def release_out_of_window(self) -> None:
+        """Release blocks no later query can see (sliding-window layers only)."""
+        if self.window is None:
+            return
+        first_visible = self.offset - self.window + 1  # the next query's oldest visible key
+        while self.block_table and self.first_position + self.B <= first_visible:
+            self.pool.decref(self.block_table.pop(0))
+            self.first_position += self.B
+
+    def _append(self, k16: np.ndarray, v16: np.ndarray, dequantized: bool = False):
+        """Store new tokens' float16-rounded keys/values (Hkv, T, D), (Hkv, T, Dv) (keys already
+        rotated): sinks, then full blocks into the pool, the rest into the tail.
+
+        Returns the recent region (old tail + new tokens) at full precision and, when
+        `dequantized`, as later queries see it (blocks that filled up replaced by their
+        dequantized values): (recent_k, recent_v, recent_kq, recent_vq).
+        """
+        start, T, B, S = self.offset, k16.shape[1], self.B, self.n_sinks
+        Hkv, D = k16.shape[0], k16.shape[2]
+        if start < S:
+            n = min(S, start + T) - start
+            self.sink_k[:, start : start + n] = k16[:, :n]
+            self.sink_v[:, start : start + n] = v16[:, :n]
+        recent_k = np.concatenate([self.tail_k[:, : self.n_tail], k16], axis=1)  # (Hkv, R, D)
+        recent_v = np.concatenate([self.tail_v[:, : self.n_tail], v16], axis=1)
+        R = recent_k.shape[1]
+        n_full = R // B
+        new_blocks = self._store(recent_k, recent_v, n_full)
+        recent_kq = recent_vq = None
+        if dequantized:
+            recent_kq, recent_vq = recent_k.copy(), recent_v.copy()
+            if n_full:
+                kq, vq = self.pool.dequantize(new_blocks)  # (n_full, Hkv, B, D)
+                recent_kq[:, : n_full * B] = kq.transpose(1, 0, 2, 3).reshape(Hkv, n_full * B, D)
+                recent_vq[:, : n_full * B] = vq.transpose(1, 0, 2, 3).reshape(Hkv, n_full * B, -1)
+        self.block_table.extend(new_blocks)
+        n_rest = R - n_full * B
+        self.tail_k[:, :n_rest] = recent_k[:, n_full * B :]
+        self.tail_v[:, :n_rest] = recent_v[:, n_full * B :]
+        self.n_tail = n_rest
+        self.offset = start + T
+        return recent_k, recent_v, recent_kq, recent_vq
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Store keys/values (T, Hkv, D), (T, Hkv, Dv) without attending (e.g. `omlx kv-sim`)."""
+        _, k = self._rotated(None, k)
+        self._append(round_f16(k).transpose(1, 0, 2), round_f16(v).transpose(1, 0, 2))
+        self.release_out_of_window()
+
+    def _rotated(self, q, k):
+        """(q, k) in the stored keys' basis: multiplied by the Hadamard rotation when the layout
+        has one (q·k unchanged); q may be None."""
+        if self.rotation is None:
+            return q, k
+        return (None if q is None else q @ self.rotation), k @ self.rotation
+
+    def _as_stored(self, q, k, v):
+        """New tokens as the cache stores them: (q rotated like the keys, k16 (Hkv, T, D), v16
+        (Hkv, T, Dv)), keys rotated when the layout says so, both rounded to float16."""
+        q, k = self._rotated(q, k)
+        return q, round_f16(k).transpose(1, 0, 2), round_f16(v).transpose(1, 0, 2)
+
+    def _mass_upto(self, end: int) -> np.ndarray:
+        """attn_mass with room for positions < end (grown, doubling, with zeros)."""
+        if self.attn_mass.shape[0] < end:
+            grown = np.zeros(max(end, 2 * self.attn_mass.shape[0]), np.float32)
+            grown[: self.attn_mass.shape[0]] = self.attn_mass
+            self.attn_mass = grown
+        return self.attn_mass
+
+    # -- where the blocks are ----------------------------------------------------------------
+    def row_addresses(self) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses of the K and V pool rows of the block table (`kv_codes.row_addresses`),
+        cached until the table or the pool's slabs change."""
+        from ..kernels import kv_codes
+
+        pool = self.pool
+        key = (tuple(self.block_table), len(pool.k_slabs))
+        if self._rows_key != key:
+            self._rows = (kv_codes.row_addresses(pool.k_slabs, pool.slab_blocks, self.block_table),
+                          kv_codes.row_addresses(pool.v_slabs, pool.slab_blocks, self.block_table))
+            self._rows_key = key
+        return self._rows
+
+    def slab_runs(self, blocks: list[int]) -> list[tuple[int, np.ndarray, slice | np.ndarray]]:
+        """pool.runs(blocks) with each run's token columns (a slice when the run's blocks are
+        consecutive in the sequence, as they are when allocated in order); cached until the
+        block list changes."""
+        key = tuple(blocks)
+        if self._runs_key != key:
+            B = self.B
+            runs = []
+            for slab, rows, where in self.pool.runs(blocks):
+                if len(where) and where[-1] - where[0] == len(where) - 1:
+                    cols = slice(int(where[0]) * B, (int(where[-1]) + 1) * B)
+                else:
+                    cols = (where[:, None] * B + np.arange(B)).ravel()
+                runs.append((slab, rows, cols))
+            self._runs_key, self._runs = key, runs
+        return self._runs
+
+    def block_at(self, index: int) -> int | None:
+        """Pool id of full block `index` (position index*B ..), None if released or not full."""
+        j = index - self.first_position // self.B
+        return self.block_table[j] if 0 <= j < len(self.block_table) else None
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        """New pool blocks that appending n_tokens would allocate."""
+        return (self.n_tail + n_tokens) // self.B
+
+    def first_needed_block(self, n_blocks: int) -> int:
+        """The oldest block a query right after n_blocks full blocks can see (window layers)."""
+        if self.window is None:
+            return 0
+        return max(0, (n_blocks * self.B - self.window + 1) // self.B)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """This sequence's own buffers (tail and sinks); pool blocks are counted by the pool."""
+        return self.tail_k.nbytes + self.tail_v.nbytes + self.sink_k.nbytes + self.sink_v.nbytes
+
+    def trim(self, n: int) -> None:
+        """Forget the last n tokens. Tokens of a quantized block that stay come back into the tail
+        as stored (dequantized), which is what later queries would have seen anyway except that
+        they are now in the unfinished block."""
+        target = max(0, self.offset - n)
+        # The next query (at `target`) needs the window - 1 keys before it too.
+        lowest = target if self.window is None else max(0, target - self.window + 1)
+        if lowest < self.first_position:
+            raise ValueError("cannot trim into blocks a sliding window already released")
+        while self.offset - self.n_tail > target:  # the tail starts after target: reopen a block
+            block = self.block_table.pop()
+            k, v = self.pool.dequantize([block])
+            self.pool.decref(block)
+            self.tail_k[:] = k[0]
+            self.tail_v[:] = v[0]
+            self.offset -= self.n_tail
+            self.n_tail = self.B
+            s = self.offset - self.B
+            n_sink = int(np.clip(self.n_sinks - s, 0, self.B))
+            if n_sink:  # sinks stay exact
+                self.tail_k[:, :n_sink] = self.sink_k[:, s : s + n_sink]
+                self.tail_v[:, :n_sink] = self.sink_v[:, s : s + n_sink]
+        self.n_tail -= self.offset - target
+        self.offset = target
+        self.attn_mass[target:] = 0  # the forgotten positions' attention is not the next tokens'
+
+    def attach(self, blocks: list[int | None], sink_k: np.ndarray | None, sink_v: np.ndarray | None) -> None:
+        """Start this empty layer on cached full blocks for positions 0 .. len(blocks)*B - 1
+        (one reference taken per block). Blocks a window layer cannot see again may be None."""
+        if self.offset:
+            raise ValueError("attach needs an empty layer cache")
+        n = len(blocks)
+        first = self.first_needed_block(n)
+        table = blocks[first:]
+        if any(b is None for b in table):
+            raise ValueError("a block this layer still needs is missing")
+        for b in table:
+            self.pool.incref(b)
+        self.block_table = list(table)
+        self.first_position = first * self.B
+        self.offset = n * self.B
+        self.n_tail = 0
+        if sink_k is not None and n:
+            S = min(self.n_sinks, self.offset, sink_k.shape[1])
+            self.sink_k[:, :S] = sink_k[:, :S]
+            self.sink_v[:, :S] = sink_v[:, :S]
+
+    def drop_blocks(self, dropped: np.ndarray, rerotate, allocate) -> None:
+        """Forget full blocks (sorted global block indices, none of them a sink block) and move
+        every later token down so positions stay contiguous: keys of later blocks are
+        re-rotated (dequantized, rotated by -shift, quantized into new blocks; values copied as
+        stored), the float tail is rotated in place.
+
+        Args:
+            rerotate: (keys (T, Hkv, D), by (T,)) → keys at position + by.
+            allocate: () → a new pool block id (may evict cached blocks), or None.
+        """
+        B = self.B
+        dropped = np.asarray(dropped, dtype=np.int64)
+        base = self.first_position // B
+        dropped_set = set(int(d) for d in dropped)
+        kept, moved = [], []  # moved: (index in kept, old block, shift in tokens)
+        for j, block in enumerate(self.block_table):
+            index = base + j
+            if index in dropped_set:
+                self.pool.decref(block)
+                continue
+            shift = B * int(np.searchsorted(dropped, index))
+            if shift:
+                moved.append((len(kept), block, shift))
+            kept.append(block)
+        if moved:
+            old = [b for _, b, _ in moved]
+            k, _ = self.pool.dequantize(old)  # (n, Hkv, B, D)
+            n, Hkv, _, D = k.shape
+            if self.rotation is not None:
+                k = k @ self.rotation.T
+            by = -np.repeat(np.array([m[2] for m in moved], dtype=np.int64), B)  # (n*B,)
+            tokens = rerotate(k.transpose(0, 2, 1, 3).reshape(n * B, Hkv, D), by)
+            k = tokens.reshape(n, B, Hkv, D).transpose(0, 2, 1, 3)
+            if self.rotation is not None:
+                k = k @ self.rotation
+            k_rows = self.pool.k_format.quantize(np.ascontiguousarray(k, dtype=np.float32))
+            for i, (where, old_block, _) in enumerate(moved):
+                new_block = allocate()
+                if new_block is None:
+                    raise KVPoolFull("the KV block pool is full")
+                self.pool.write_rows(new_block, k_rows[i], self.pool.v_row(old_block))
+                self.pool.decref(old_block)
+                kept[where] = new_block
+        total = B * len(dropped)
+        if self.n_tail and total:
+            tail = self.tail_k[:, : self.n_tail]  # (Hkv, n_tail, D)
+            if self.rotation is not None:
+                tail = tail @ self.rotation.T
+            tail = rerotate(tail.transpose(1, 0, 2), np.full(self.n_tail, -total, np.int64)).transpose(1, 0, 2)
+            if self.rotation is not None:
+                tail = tail @ self.rotation
+            self.tail_k[:, : self.n_tail] = round_f16(tail)
+        if self.attn_mass.shape[0]:
+            keep = np.ones(self.offset, bool)
+            for d in dropped:
+                keep[d * B : (d + 1) * B] = False
+            self.attn_mass = self.attn_mass[: self.offset][keep[: self.attn_mass.shape[0]]]
+        self.first_position -= B * int(np.searchsorted(dropped, base))
+        self.offset -= total
+        self.block_table = kept
+
+    def release(self) -> None:
+        """Return every block to the pool."""
+        for block in self.block_table:
+            self.pool.decref(block)
+        self.block_table.clear()
+        self.offset = self.n_tail = 0
+        self.first_position = 0
