@@ -136,7 +136,7 @@ def estimate(gguf, ctx: int | None = None, kv=None, available: int | None = None
     """The estimate for the open GGUFFile ``gguf`` at ``ctx`` tokens (default: the model's
     context) and KV spec ``kv`` (default: the engine's default)."""
     from .engine import PREFILL_CHUNK
-    from .kv.paged import ATTEND_ROWS
+    from .kv.paged_attention import ATTEND_ROWS
     from .kv.config import estimate_bytes, parse_kv
     from .models import model_args
 
