@@ -83,7 +83,7 @@ def window(qapp, data_dir, smollm2_path):
     wait_until(lambda: w.model_info is not None or w.errors, what="the model")
     assert w.model_info is not None, w.errors
     yield w
-    if not w._closed:
+    if not w.closed:
         w.close()
 
 
@@ -220,10 +220,10 @@ def test_a_dropped_document_is_pinned_cached_and_reused(window, excerpt):
     try:
         drop(window, excerpt)
         key = window.documents.keys()[-1]
-        wait_until(lambda: key in window._doc_ids or window.errors[-1:], what="the document")
+        wait_until(lambda: key in window.docs.doc_ids or window.errors[-1:], what="the document")
     finally:
         window.documents.set_progress = original
-    assert key in window._doc_ids, window.errors[-1:]
+    assert key in window.docs.doc_ids, window.errors[-1:]
     assert progress and progress[-1][1] == progress[-1][2]   # prefill progress reached the end
     row = window.documents.rows[key]
     stored = window.store.documents(window.conv_id)
@@ -241,11 +241,11 @@ def test_a_dropped_document_is_pinned_cached_and_reused(window, excerpt):
         in window.stats_summary()
 
     row.pin.click()                                     # unpin: out of the prefix
-    wait_until(lambda: not window.store.document(window._doc_ids[key]).pinned, what="unpinning")
+    wait_until(lambda: not window.store.document(window.docs.doc_ids[key]).pinned, what="unpinning")
     wait_until(lambda: row.pin.isEnabled() and not row.badge.isVisibleTo(row), what="the row")
     row.pin.click()                                     # pin again: read from the cache
     wait_until(lambda: row.badge.isVisibleTo(row), what="the cached badge")
-    assert window.store.document(window._doc_ids[key]).pinned
+    assert window.store.document(window.docs.doc_ids[key]).pinned
 
 
 def test_the_chart_grows_while_generating(window):
@@ -276,7 +276,7 @@ def test_bad_files_show_errors_and_the_window_stays_usable(window, smollm2_path,
     n_errors = len(window.errors)
 
     drop(window, truncated)
-    wait_until(lambda: len(window.errors) > n_errors and window._loading is None, what="the load error")
+    wait_until(lambda: len(window.errors) > n_errors and window.models.loading is None, what="the load error")
     assert "truncated.gguf" in window.errors[-1]
     assert window.banner.isVisible() and "truncated.gguf" in window.banner.text()
     assert window.model_info is model_before            # the loaded model stays
