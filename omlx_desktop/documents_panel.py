@@ -174,7 +174,11 @@ class DocumentsPanel(QWidget):
     def remove_row(self, key: str) -> None:
         row = self.rows.pop(key, None)
         if row is not None:
-            row.setParent(None)
+            # hidden and deleted in place: setParent(None) would make it a top-level window for
+            # a moment, and one holding the focus would become the active window (taking the
+            # window's shortcuts with it)
+            self._list_layout.removeWidget(row)
+            row.hide()
             row.deleteLater()
         self.empty_label.setVisible(not self.rows)
 

@@ -28,9 +28,8 @@ from PySide6.QtCore import QByteArray, Qt, QThread, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMenu
 
-from .chart import MemoryChart  # noqa: F401  (re-exported for callers of the window module)
 from .chat import ChatController, Turn, stats_text
-from .conversations import NEW_TITLE, ConversationsController  # noqa: F401
+from .conversations import ConversationsController
 from .documents import DocumentsController
 from .model_controller import ModelController, model_text
 from .protocol import Configure, Shutdown

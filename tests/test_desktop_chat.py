@@ -350,8 +350,8 @@ def test_a_later_success_clears_a_stale_error_and_a_new_preset_rereads_the_docum
 
     window.delete_conversation(mine, confirm=False)
     window.open_conversation(previous)
-    first_row = window.documents.rows[window.documents.keys()[0]]
-    wait_until(lambda: first_row.badge.isVisibleTo(first_row), what="the document restored")
+    for restored in window.documents.rows.values():
+        wait_until(lambda: restored.badge.isVisibleTo(restored), what="the documents restored")
 
 
 def test_out_of_memory_in_a_turn_is_reported_as_such_and_the_app_keeps_working(window, monkeypatch):
