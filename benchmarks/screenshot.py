@@ -81,7 +81,7 @@ def main() -> int:
         ask(WARMUP, 12)
         window.new_conversation()
         keys = window.add_documents([str(doc)])
-        wait_until(app, lambda: keys[0] in window._doc_ids, 300, "the document")
+        wait_until(app, lambda: keys[0] in window.docs.doc_ids, 300, "the document")
         for question, max_tokens in QUESTIONS:
             ask(question, max_tokens)
         # a few more chart samples after the answer, then the picture

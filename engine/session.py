@@ -230,9 +230,12 @@ class Session:
     def add_document(self, source: str | Path | None = None, *, text: str | None = None,
                      name: str | None = None, prefill: bool = True,
                      progress: Callable[[int, int], None] | None = None,
-                     cancel: threading.Event | None = None) -> Document:
+                     cancel: threading.Event | None = None, pinned: bool = True,
+                     doc_id: str | None = None) -> Document:
         """Pin a document (a file, or `text`): it joins the prompt prefix after the system prompt
-        and the documents before it.
+        and the documents before it. With ``pinned=False`` it is kept (its tokens counted) but
+        not part of the prompt, so it need not fit the context. ``doc_id`` names it for
+        :meth:`set_pinned` / :meth:`remove_document` (default: a new random id).
 
         Raises:
             DocumentError: unreadable, or too large for the context (nothing changes then).
@@ -244,8 +247,14 @@ class Session:
         if not text.strip():
             raise DocumentError(f"{name or 'the document'} is empty")
         name = name or (Path(source).name if source is not None else "document")
-        doc = Document(name=name, text=text, path=str(source) if source is not None else None)
+        doc = Document(name=name, text=text, path=str(source) if source is not None else None,
+                       pinned=pinned)
+        if doc_id is not None:
+            doc.id = doc_id
         doc.n_tokens = len(self.engine.tokenizer.encode(text, add_bos=False, parse_special=False))
+        if not pinned:
+            self.documents.append(doc)
+            return doc
         others = self.prefix_tokens()
         total = self.prefix_tokens(self.documents + [doc])
         if total + ANSWER_RESERVE > self.ctx:
@@ -425,6 +434,30 @@ class Session:
             raise EngineError(f"message {index} is not a user message")
         del self.messages[index:]
         return self.send(text, **options)
+
+    def load_messages(self, messages: Sequence[dict]) -> None:
+        """Replace the conversation with `messages` ({"role": "user" | "assistant", "content"}),
+        e.g. a conversation restored from the app's database; the documents stay.
+
+        Raises:
+            EngineError: a message without a user/assistant role or text content.
+        """
+        loaded = []
+        for i, m in enumerate(messages):
+            if m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
+                raise EngineError(f"message {i} needs a role 'user' or 'assistant' and text content")
+            loaded.append({"role": m["role"], "content": m["content"]})
+        self.messages = loaded
+
+    def keep_unanswered(self, text: str) -> None:
+        """After a failed turn: the conversation ends with the user message `text`, unanswered
+        (an interrupted answer recorded after it is dropped; the message is added back if the
+        failure came before it was recorded)."""
+        while self.messages and self.messages[-1]["role"] == "assistant" \
+                and self.messages[-1].get("interrupted"):
+            self.messages.pop()
+        if not self.messages or self.messages[-1] != {"role": "user", "content": text}:
+            self.messages.append({"role": "user", "content": text})
 
     def _conversation(self) -> list[dict]:
         return [{"role": m["role"], "content": m["content"]} for m in self.messages]

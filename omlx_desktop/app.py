@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = app.exec()
     if window.isVisible():
         window.close()
+    window.wait_for_engine()    # a model load still running after the close: let it end
     if scratch is not None:
         scratch.cleanup()
     return window.exit_code if window.exit_code is not None else rc

@@ -76,7 +76,12 @@ def format_ago(seconds: float) -> str:
 
 class BytesAxis(pg.AxisItem):
     """A y axis whose values are bytes: ticks fall on round numbers of MiB (or KiB, GiB ...,
-    chosen from the visible range) and read ``256 MiB``, ``1.5 GiB``."""
+    chosen from the visible range) and read ``256 MiB``, ``1.5 GiB``. pyqtgraph's automatic SI
+    scale is off: the ticks carry the unit, so the label gets no "(x1e+09)" beside them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.enableAutoSIPrefix(False)
 
     def _unit(self) -> int:
         lo, hi = self.range

@@ -75,6 +75,9 @@ class DocumentRow(QFrame):
         return self.name_label.text()
 
     def set_progress(self, done: int, total: int) -> None:
+        """Being read into the KV cache (again, e.g. for a new KV preset): not cached until
+        :meth:`set_info` says so."""
+        self.badge.setVisible(False)
         self.progress.setVisible(True)
         self.progress.setRange(0, max(total, 1))
         self.progress.setValue(min(done, total))
@@ -130,9 +133,9 @@ class DocumentsPanel(QWidget):
         layout.setContentsMargins(6, 6, 6, 6)
         layout.addLayout(head)
         layout.addWidget(scroll, 1)
-        self.add_button.clicked.connect(self._choose_files)
+        self.add_button.clicked.connect(self.choose_files)
 
-    def _choose_files(self) -> None:
+    def choose_files(self) -> None:
         paths, _ = QFileDialog.getOpenFileNames(self, "Pin documents", "", DOCUMENT_FILTER)
         if paths:
             self.addFilesRequested.emit(paths)
@@ -171,7 +174,11 @@ class DocumentsPanel(QWidget):
     def remove_row(self, key: str) -> None:
         row = self.rows.pop(key, None)
         if row is not None:
-            row.setParent(None)
+            # hidden and deleted in place: setParent(None) would make it a top-level window for
+            # a moment, and one holding the focus would become the active window (taking the
+            # window's shortcuts with it)
+            self._list_layout.removeWidget(row)
+            row.hide()
             row.deleteLater()
         self.empty_label.setVisible(not self.rows)
 

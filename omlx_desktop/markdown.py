@@ -69,17 +69,19 @@ class TranscriptView(QTextBrowser):
         elif content:
             cursor.insertMarkdown(content, MARKDOWN)
 
-    def _state_note(self, cursor: QTextCursor, state: str) -> None:
+    def _state_note(self, cursor: QTextCursor, state: str, stopped: bool = False) -> None:
+        """Under an unfinished answer: "(stopped)" if the user stopped it, else "(interrupted)"
+        (a crash, a kill or the window closing cut it off)."""
         if state == "interrupted":
             fmt = QTextCharFormat()
             fmt.setForeground(self.palette().placeholderText())
             fmt.setFontItalic(True)
             cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
-            cursor.insertText("(stopped)", fmt)
+            cursor.insertText("(stopped)" if stopped else "(interrupted)", fmt)
 
     def set_messages(self, messages: list[dict]) -> None:
-        """Shows a whole conversation: [{"role", "content", "state"}] (system messages are not
-        shown)."""
+        """Shows a whole conversation: [{"role", "content", "state"}, optionally "stopped":
+        True on an interrupted answer the user stopped] (system messages are not shown)."""
         self.clear()
         self._empty = False
         self._stream_start = None
@@ -93,7 +95,7 @@ class TranscriptView(QTextBrowser):
         for m in shown:
             self._header(cursor, m["role"])
             self._body(cursor, m["role"], m.get("content", ""))
-            self._state_note(cursor, m.get("state", "complete"))
+            self._state_note(cursor, m.get("state", "complete"), bool(m.get("stopped")))
             self.messages.append(dict(m))
         cursor.endEditBlock()
         self.scroll_to_end()
@@ -138,10 +140,13 @@ class TranscriptView(QTextBrowser):
             self.scroll_to_end()
 
     def finish_streaming(self, text: str, state: str = "complete") -> None:
-        """Ends the streaming answer; rebuilding its header drops the "…" note."""
+        """Ends the streaming answer; rebuilding its header drops the "…" note. An answer that
+        ends 'interrupted' while it is shown was stopped by the user."""
         if self._stream_start is None:
             return
         self.messages[-1].update(content=text, state=state)
+        if state == "interrupted":
+            self.messages[-1]["stopped"] = True
         messages = self.messages
         self._stream_start = None
         bar = self.verticalScrollBar()

@@ -198,3 +198,18 @@ def test_byte_and_time_labels(qtbot):
     (major, _), *minor = x.tickSpacing(-300, 0, 420)
     assert major == 60 and minor and minor[0][0] in (15, 30)
     assert x.tickStrings([-120, -60, 0], 1, 60) == ["-2:00", "-1:00", "now"]
+
+
+def test_byte_axes_carry_no_si_scale_beside_their_unit_ticks(window):
+    """The ticks already say MiB / GiB: pyqtgraph's automatic SI scale must not add "(x1e+09)"
+    to the axis label (nor divide the values the ticks get)."""
+    w, chart = window(kv_axis=True)
+    w.show()
+    item = chart.plot.getPlotItem()
+    for name, view in (("left", item.vb), ("right", chart.kv_view)):
+        view.setYRange(0, 3 * 2**30, padding=0)
+        axis = item.getAxis(name)
+        axis.setRange(0, 3 * 2**30)     # as the linked view does on its next layout pass
+        assert axis.autoSIPrefixScale == 1.0, name
+        label = axis.labelString()
+        assert "x1e" not in label and "(x" not in label, (name, label)

@@ -83,7 +83,7 @@ def window(qapp, data_dir, smollm2_path):
     wait_until(lambda: w.model_info is not None or w.errors, what="the model")
     assert w.model_info is not None, w.errors
     yield w
-    if not w._closed:
+    if not w.closed:
         w.close()
 
 
@@ -220,10 +220,10 @@ def test_a_dropped_document_is_pinned_cached_and_reused(window, excerpt):
     try:
         drop(window, excerpt)
         key = window.documents.keys()[-1]
-        wait_until(lambda: key in window._doc_ids or window.errors[-1:], what="the document")
+        wait_until(lambda: key in window.docs.doc_ids or window.errors[-1:], what="the document")
     finally:
         window.documents.set_progress = original
-    assert key in window._doc_ids, window.errors[-1:]
+    assert key in window.docs.doc_ids, window.errors[-1:]
     assert progress and progress[-1][1] == progress[-1][2]   # prefill progress reached the end
     row = window.documents.rows[key]
     stored = window.store.documents(window.conv_id)
@@ -241,11 +241,11 @@ def test_a_dropped_document_is_pinned_cached_and_reused(window, excerpt):
         in window.stats_summary()
 
     row.pin.click()                                     # unpin: out of the prefix
-    wait_until(lambda: not window.store.document(window._doc_ids[key]).pinned, what="unpinning")
+    wait_until(lambda: not window.store.document(window.docs.doc_ids[key]).pinned, what="unpinning")
     wait_until(lambda: row.pin.isEnabled() and not row.badge.isVisibleTo(row), what="the row")
     row.pin.click()                                     # pin again: read from the cache
     wait_until(lambda: row.badge.isVisibleTo(row), what="the cached badge")
-    assert window.store.document(window._doc_ids[key]).pinned
+    assert window.store.document(window.docs.doc_ids[key]).pinned
 
 
 def test_the_chart_grows_while_generating(window):
@@ -276,7 +276,7 @@ def test_bad_files_show_errors_and_the_window_stays_usable(window, smollm2_path,
     n_errors = len(window.errors)
 
     drop(window, truncated)
-    wait_until(lambda: len(window.errors) > n_errors and window._loading is None, what="the load error")
+    wait_until(lambda: len(window.errors) > n_errors and window.models.loading is None, what="the load error")
     assert "truncated.gguf" in window.errors[-1]
     assert window.banner.isVisible() and "truncated.gguf" in window.banner.text()
     assert window.model_info is model_before            # the loaded model stays
@@ -307,6 +307,78 @@ def test_bad_files_show_errors_and_the_window_stays_usable(window, smollm2_path,
 
     answer = ask(window, "Say hi.", 6)                  # still works
     assert answer["state"] == "complete"
+
+
+def test_a_later_success_clears_a_stale_error_and_a_new_preset_rereads_the_document(window, excerpt):
+    previous = window.conv_id
+    mine = window.new_conversation()
+    n_errors = len(window.errors)
+    window.kv_panel.ctx_spin.setValue(256)              # too small for the document
+    drop(window, excerpt)
+    wait_until(lambda: len(window.errors) > n_errors, what="the refusal")
+    assert "context" in window.errors[-1] and window.banner.isVisible()
+    window.kv_panel.ctx_spin.setValue(4096)
+    drop(window, excerpt)                               # the same file, now it fits
+    key = window.documents.keys()[-1]
+    wait_until(lambda: key in window.docs.doc_ids or len(window.errors) > n_errors + 1,
+               what="the document")
+    assert key in window.docs.doc_ids, window.errors[-1]
+    assert not window.banner.isVisible()                # the refusal no longer applies
+    row = window.documents.rows[key]
+    assert row.badge.isVisibleTo(row)
+
+    # a new KV preset: the pinned document is read again into the new format before the
+    # answer, its row saying so (not "cached" meanwhile), then cached again
+    seen = []
+    original = window.documents.set_progress
+
+    def record(k, done, total):
+        original(k, done, total)
+        seen.append((k, row.badge.isVisibleTo(row), row.info_label.text()))
+
+    window.documents.set_progress = record
+    try:
+        window.kv_panel.select_preset("memory-saver")
+        answer = ask(window, "What is this?", 6)
+    finally:
+        window.documents.set_progress = original
+        window.kv_panel.select_preset("balanced")
+    assert answer["stats"]["kv_spec"] == "k4v4"
+    reading = [s for s in seen if s[0] == key]
+    assert reading and all(not cached and text.startswith("reading") for _, cached, text in reading)
+    wait_until(lambda: row.badge.isVisibleTo(row), what="the cached badge again")
+
+    window.delete_conversation(mine, confirm=False)
+    window.open_conversation(previous)
+    for restored in window.documents.rows.values():
+        wait_until(lambda: restored.badge.isVisibleTo(restored), what="the documents restored")
+
+
+def test_out_of_memory_in_a_turn_is_reported_as_such_and_the_app_keeps_working(window, monkeypatch):
+    def no_memory(*args, **kwargs):     # runs in the worker thread, inside the session's turn
+        raise MemoryError("simulated")
+        yield
+
+    monkeypatch.setattr(window.worker.engine, "stream", no_memory)
+    n_messages = len(store_messages(window))
+    answers = []
+    window.answerFinished.connect(answers.append)
+    try:
+        assert window.send_message("Is there memory left?")
+        wait_until(lambda: answers, what="the failure")
+    finally:
+        window.answerFinished.disconnect(answers.append)
+        monkeypatch.undo()
+    failed = answers[0]
+    assert failed["state"] == "failed" and failed["kind"] == "out_of_memory"
+    assert "out of memory" in failed["error"] and "context" not in failed["error"]
+    assert window.banner.isVisible() and "out of memory" in window.banner.text()
+    messages = store_messages(window)
+    assert len(messages) == n_messages + 1 and messages[-1].content == "Is there memory left?"
+
+    answer = ask(window, "Say yes.", 6)                 # the next message works
+    assert answer["state"] == "complete" and answer["text"]
+    assert not window.banner.isVisible()
 
 
 def test_conversations_new_rename_delete_and_switch(window):

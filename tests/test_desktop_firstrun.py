@@ -122,3 +122,38 @@ def test_smoke_test_flag_exits_1_on_a_bad_model(smollm2_path, tmp_path):
     result = run_app("--smoke-test", str(bad))
     assert result.returncode == 1
     assert "bad.gguf" in result.stderr and "smoke test failed" in result.stderr
+
+
+def test_the_header_progress_bar_holds_its_text(first_run):
+    window = first_run
+    bar = window.load_progress
+    bar.show()
+    window.models.on_load_progress("loading weights", 0.3)
+    pump(0.05)
+    assert bar.text() == "loading weights 30%"
+    assert bar.width() >= bar.fontMetrics().horizontalAdvance(bar.text()) + 8
+
+
+def test_an_answer_cut_off_by_a_kill_reads_interrupted_one_stopped_by_the_user_stopped(
+        qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMLX_MODELS_DIR", str(tmp_path / "no-models"))
+    from omlx_desktop.store import Store
+
+    with Store(tmp_path / "data" / "omlx.db") as store:
+        conv = store.create_conversation("Earlier").id
+        store.add_message(conv, "user", "Tell me a story.")
+        stopped = store.add_message(conv, "assistant", "Once upon", state="streaming")
+        store.finish_message(stopped.id, "interrupted", {"finish_reason": "cancelled",
+                                                         "generated_tokens": 2})
+        store.add_message(conv, "user", "Another one.")
+        killed = store.add_message(conv, "assistant", "There was", state="streaming")
+    window = MainWindow(data_dir=tmp_path / "data")     # as after a kill: 'streaming' is left
+    qtbot.addWidget(window)
+    try:
+        assert window.recovered == [killed.id]
+        window.open_conversation(conv)
+        text = window.transcript.toPlainText()
+        assert text.count("(stopped)") == 1 and text.count("(interrupted)") == 1
+        assert text.index("(stopped)") < text.index("Another one.") < text.index("(interrupted)")
+    finally:
+        window.close()

@@ -1,0 +1,236 @@
+"""The model's fetch / load state machine of the main window.
+
+    no model ──fetch──▶ fetching ──done──▶ loading ──loaded──▶ ready ──load another──▶ loading
+        ▲                  │ cancelled / failed        │ failed (the old model, if any, stays)
+        └──────────────────┴───────────────────────────┘
+
+While a fetch runs ``fetch_cancel`` is its Event; while a load runs ``loading`` is its spec;
+``model_info`` is the loaded model's description (None before the first load). The KV panel's
+settings reach the worker from here too: they depend on the model (its layers, its context).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtWidgets import QFileDialog
+
+from .chart import format_bytes
+from .protocol import Configure, FetchModel, Failure, KVApplied, LoadModel, ModelInfo
+from .ui import APP_TITLE
+from .worker import FROZEN_FETCH_MESSAGE, is_frozen
+
+if TYPE_CHECKING:
+    from .window import MainWindow
+
+
+def model_text(info: dict) -> str:
+    """The model bar: name, file and size, KV bytes per token, context (wrapping only between
+    the parts)."""
+    parts = [
+        f"<b>{html.escape(info['name'])}</b>",
+        f"{html.escape(Path(info['path']).name)}, {format_bytes(info['file_size'])}",
+        f"KV {format_bytes(info['kv_bytes_per_token'])} per token at {info['kv_spec'].upper()} "
+        f"(16-bit: {format_bytes(info['kv_bytes_per_token_16'])})",
+        f"{info['context_length']:,}-token context",
+    ]
+    return " &nbsp;·&nbsp; ".join(p.replace(" ", "&nbsp;") if not p.startswith("<b>") else p
+                                  for p in parts)
+
+
+class ModelController(QObject):
+    loaded = Signal(object)         # the model info dict
+    failed = Signal(str)            # no model: a fetch or load failed (the message shown)
+
+    def __init__(self, window: "MainWindow"):
+        super().__init__(window)
+        self.w = window
+        self.model_info: dict | None = None
+        self.loading: str | None = None
+        self.fetch_cancel: threading.Event | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.model_info is not None and self.loading is None
+
+    # -- starting -------------------------------------------------------------------------
+    def start(self, model: str | None, *, fetch_if_missing: bool = False) -> None:
+        """The model given on the command line, else the last one, else the default one if it
+        is fetched (or ``fetch_if_missing``), else the welcome page."""
+        from engine import catalog
+
+        w = self.w
+        if model:
+            if model in catalog.CATALOG and not catalog.is_fetched(model):
+                self.fetch(model)
+            else:
+                self.load(model)
+            return
+        last = w.store.get_setting("last_model")
+        if last and Path(last).is_file():
+            self.load(last)
+        elif catalog.is_fetched(catalog.DEFAULT_MODEL):
+            self.load(catalog.DEFAULT_MODEL)
+        elif fetch_if_missing:
+            self.fetch(catalog.DEFAULT_MODEL)
+        else:
+            w.stack.setCurrentWidget(w.welcome)
+            w.model_label.setText("No model loaded")
+            w.statusBar().showMessage("No model yet: fetch the default model or open a .gguf file")
+
+    def load(self, spec: str) -> None:
+        """Loads a catalog model or a .gguf file in the worker (the current model stays until the
+        new one is ready)."""
+        w = self.w
+        self.loading = str(spec)
+        name = Path(spec).name if os.sep in str(spec) or str(spec).endswith(".gguf") else spec
+        w.load_progress.set_stage("loading", 0.0)
+        w.load_progress.show()
+        w.statusBar().showMessage(f"Loading {name}…")
+        if self.model_info is None:
+            w.model_label.setText(f"Loading <b>{name}</b>…")
+            w.fetch_progress.setValue(0)
+            w.fetch_progress.show()
+            w.welcome_status.setText(f"Loading {name}…")
+        w.update_buttons()
+        w.request(LoadModel(str(spec)))
+
+    def open_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self.w, "Open a GGUF model", "",
+                                              "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.load(path)
+
+    # -- fetching -------------------------------------------------------------------------
+    def fetch_default(self) -> None:
+        from engine.catalog import DEFAULT_MODEL
+
+        self.fetch(DEFAULT_MODEL)
+
+    def fetch(self, name: str) -> None:
+        w = self.w
+        if self.fetch_cancel is not None:
+            return
+        if self.model_info is None:
+            w.stack.setCurrentWidget(w.welcome)
+        if is_frozen():
+            w.welcome_status.setText(FROZEN_FETCH_MESSAGE)
+            w.show_error(FROZEN_FETCH_MESSAGE, "model")
+            self.failed.emit(FROZEN_FETCH_MESSAGE)
+            return
+        self.fetch_cancel = threading.Event()
+        w.fetch_progress.setValue(0)
+        w.fetch_progress.show()
+        w.fetch_cancel_button.show()
+        w.fetch_cancel_button.setEnabled(True)
+        w.welcome_status.setText(f"Fetching {name}…")
+        w.statusBar().showMessage(f"Fetching {name}…")
+        w.update_buttons()
+        w.request(FetchModel(name, self.fetch_cancel))
+
+    def cancel_fetch(self) -> None:
+        if self.fetch_cancel is not None:
+            self.fetch_cancel.set()
+            self.w.fetch_cancel_button.setEnabled(False)
+            self.w.welcome_status.setText("Cancelling…")
+
+    def _fetch_ended(self) -> None:
+        self.fetch_cancel = None
+        self.w.fetch_cancel_button.hide()
+        self.w.update_buttons()
+
+    def on_fetch_progress(self, stage: str, fraction: float) -> None:
+        if self.w.closed:
+            return
+        self.w.fetch_progress.setValue(int(fraction * 1000))
+        self.w.welcome_status.setText(f"{stage[:1].upper()}{stage[1:]}… {fraction:.0%}")
+
+    def on_fetch_finished(self, path: str) -> None:
+        if self.w.closed:
+            return
+        self._fetch_ended()
+        self.w.welcome_status.setText("Fetched.")
+        self.load(path)
+
+    def on_fetch_failed(self, failure: Failure) -> None:
+        if self.w.closed:
+            return
+        w = self.w
+        self._fetch_ended()
+        w.fetch_progress.hide()
+        if failure.kind == "cancelled":
+            w.welcome_status.setText("Download cancelled.")
+            w.statusBar().showMessage("Download cancelled", 5000)
+        else:
+            w.welcome_status.setText(f"Download failed: {failure.message}")
+            w.show_error(f"Cannot fetch the model: {failure.message}", "model")
+        self.failed.emit(failure.message)
+
+    # -- loading --------------------------------------------------------------------------
+    def on_load_progress(self, stage: str, fraction: float) -> None:
+        if self.w.closed:
+            return
+        w = self.w
+        w.load_progress.set_stage(stage, fraction)
+        if self.model_info is None:
+            w.fetch_progress.setValue(int(fraction * 1000))
+            w.welcome_status.setText(f"Loading: {stage}…")
+
+    def on_loaded(self, model: ModelInfo) -> None:
+        if self.w.closed:
+            return
+        w = self.w
+        info = model.as_dict()
+        self.loading = None
+        self.model_info = info
+        w.load_progress.hide()
+        w.fetch_progress.hide()
+        w.welcome_status.setText("")
+        w.clear_error("model")
+        w.store.set_setting("last_model", info["path"])
+        w.model_label.setText(model_text(info))
+        w.model_label.setToolTip(info["path"])
+        w.setWindowTitle(f"{info['name']} — {APP_TITLE}")
+        w.stack.setCurrentWidget(w.transcript)
+        w.kv_panel.set_model(info)   # may clamp the context: configures the worker first
+        w.request(Configure.from_panel(w.kv_panel.settings()))
+        w.statusBar().showMessage(f"{info['name']} ready", 5000)
+        w.conversations.model_changed()
+        w.update_buttons()
+        self.loaded.emit(info)
+
+    def on_load_failed(self, failure: Failure) -> None:
+        if self.w.closed:
+            return
+        w = self.w
+        spec = self.loading
+        self.loading = None
+        w.load_progress.hide()
+        name = Path(spec).name if spec else "the model"
+        w.show_error(f"Cannot load {name}: {failure.message}", "model")
+        if self.model_info is None:
+            w.fetch_progress.hide()
+            w.model_label.setText("No model loaded")
+            w.welcome_status.setText(f"Cannot load {name}: {failure.message}")
+            w.stack.setCurrentWidget(w.welcome)
+        w.update_buttons()
+        self.failed.emit(failure.message)
+
+    # -- KV settings ----------------------------------------------------------------------
+    def on_settings_applied(self, applied: KVApplied) -> None:
+        if self.w.closed:
+            return
+        if self.model_info is None:
+            return
+        self.model_info.update(kv_spec=applied.kv_spec, kv_bytes_per_token=applied.kv_bytes_per_token)
+        self.w.model_label.setText(model_text(self.model_info))
+        self.w.statusBar().showMessage(f"KV cache now {applied.kv_spec}", 5000)
+
+    def on_kv_settings_changed(self, settings: dict) -> None:
+        self.w.store.set_setting("kv_panel", self.w.kv_panel.state())
+        self.w.request(Configure.from_panel(settings))

@@ -1,0 +1,209 @@
+"""What crosses the thread between the window and the engine's worker: requests the window sends
+(one queued signal carries any of them to :meth:`EngineWorker.handle`) and the results the worker
+sends back by its signals. All are frozen dataclasses; the Events inside some (``cancel``) are
+the only shared objects and are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field
+
+from engine.errors import describe
+
+
+# -- requests (window -> worker) --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FetchModel:
+    """Download a catalog model (``cancel`` set: stop at the next chunk)."""
+
+    name: str
+    cancel: threading.Event
+
+
+@dataclass(frozen=True)
+class LoadModel:
+    """Load a catalog name or a .gguf path; the current model stays until the new one is ready."""
+
+    spec: str
+
+
+@dataclass(frozen=True)
+class Configure:
+    """The KV panel's settings, applied before the next turn or document (None: unchanged;
+    ``spec`` None: the default preset)."""
+
+    spec: str | None = None
+    ctx: int | None = None
+    overflow: str | None = None
+
+    @classmethod
+    def from_panel(cls, settings: dict) -> "Configure":
+        """From :meth:`KVPanel.settings` (``{"spec", "ctx", "overflow"}``)."""
+        ctx = settings.get("ctx")
+        return cls(spec=settings.get("spec") or None, ctx=int(ctx) if ctx else None,
+                   overflow=settings.get("overflow") or None)
+
+
+@dataclass(frozen=True)
+class StoredDocument:
+    """A document of a conversation as the Store keeps it; ``key`` names it in both threads."""
+
+    key: str
+    name: str
+    text: str
+    path: str | None = None
+    pinned: bool = True
+
+
+@dataclass(frozen=True)
+class OpenConversation:
+    """Rebuild the worker's Session: the messages ({"role", "content"}), then the documents."""
+
+    conv: int
+    system_prompt: str | None = None
+    messages: tuple[dict, ...] = ()
+    documents: tuple[StoredDocument, ...] = ()
+
+
+@dataclass(frozen=True)
+class SendMessage:
+    """Answer ``text`` (or, with ``regenerate``, the last user message again)."""
+
+    id: int
+    conv: int
+    text: str
+    max_tokens: int
+    cancel: threading.Event
+    regenerate: bool = False
+
+
+@dataclass(frozen=True)
+class AddDocument:
+    """Read a file (or take ``text``) and pin it to the open conversation."""
+
+    conv: int
+    key: str
+    path: str | None = None
+    text: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class SetPinned:
+    conv: int
+    key: str
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class RemoveDocument:
+    conv: int
+    key: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Close the session (the last request before the thread quits)."""
+
+
+# -- results (worker -> window) ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a request failed: ``kind`` as :func:`engine.errors.describe` names it
+    ("context_full", "out_of_memory", "bad_document", ..., "cancelled", "internal") and the
+    message for the user."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "Failure":
+        return cls(*describe(exc))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: str
+    file_size: int
+    architecture: str
+    context_length: int
+    kv_spec: str
+    kv_bytes_per_token: float
+    kv_bytes_per_token_16: float
+    has_chat_template: bool
+    geometry: dict = field(default_factory=dict)   # n_layers, n_kv_heads, head_dim, value_dim, windows
+
+    def as_dict(self) -> dict:
+        """The form the window and the KV panel read (``info["name"]``, ``info["geometry"]``)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class KVApplied:
+    """A new KV format is in use (the next answers' cache)."""
+
+    kv_spec: str
+    kv_bytes_per_token: float
+
+
+@dataclass(frozen=True)
+class TurnFinished:
+    id: int
+    text: str
+    finish_reason: str          # "stop", "length", "cancelled", "context_full"
+    stats: dict                 # the engine's stats, with finish_reason, kv_spec, engine_stop_s
+
+
+@dataclass(frozen=True)
+class TurnFailed:
+    id: int
+    failure: Failure
+
+
+@dataclass(frozen=True)
+class DocumentInfo:
+    key: str
+    name: str
+    path: str | None
+    n_tokens: int
+    pinned: bool
+    cached: bool                # its blocks are prefilled and pinned in the KV cache
+
+    def as_dict(self) -> dict:
+        """The form :class:`DocumentsPanel` shows."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DocumentAdded:
+    conv: int
+    info: DocumentInfo
+    text: str
+
+
+@dataclass(frozen=True)
+class DocumentFailed:
+    conv: int
+    key: str
+    failure: Failure
+
+
+@dataclass(frozen=True)
+class DocumentPinned:
+    """A pin or unpin request that succeeded."""
+
+    conv: int
+    key: str
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class DocumentsChanged:
+    """The open conversation's documents as the engine has them now."""
+
+    conv: int
+    documents: tuple[DocumentInfo, ...]
