@@ -68,6 +68,8 @@ def stats_text(stats: dict) -> str:
         parts.append("stopped")
     elif reason == "context_full":
         parts.append("context full")
+    elif reason == "kv_pool_full":
+        parts.append("KV memory full")
     elif reason == "length":
         parts.append("max tokens reached")
     return "  ·  ".join(p.replace(" ", "\u00a0") for p in parts)

@@ -154,7 +154,7 @@ class KVApplied:
 class TurnFinished:
     id: int
     text: str
-    finish_reason: str          # "stop", "length", "cancelled", "context_full"
+    finish_reason: str          # "stop", "length", "cancelled", "context_full", "kv_pool_full"
     stats: dict                 # the engine's stats, with finish_reason, kv_spec, engine_stop_s
 
 

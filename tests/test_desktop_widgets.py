@@ -227,3 +227,14 @@ def test_command_line_and_resources():
     assert args.model == "model.gguf" and args.data_dir == "/tmp/x" and args.smoke_test
     assert build_parser().parse_args([]).model is None
     assert resource_path("omlx-desktop.svg").is_file()
+
+
+@pytest.mark.parametrize("reason, label", [
+    ("cancelled", "stopped"), ("context_full", "context full"), ("kv_pool_full", "KV memory full"),
+    ("length", "max tokens reached")])
+def test_stats_line_names_why_an_answer_ended(reason, label):
+    from omlx_desktop.chat import stats_text
+
+    text = stats_text({"finish_reason": reason, "prompt_tokens": 10}).replace("\u00a0", " ")
+    assert text.endswith(label)
+    assert "KV memory full" not in stats_text({"finish_reason": "stop"}).replace("\u00a0", " ")
