@@ -63,6 +63,69 @@ class _BitsDelegate(QStyledItemDelegate):
         model.setData(index, editor.currentText())
 
 
+class LayerTable(QWidget):
+    """The per-layer part of the KV panel: the first/last-layers shortcut and a table of each
+    layer's K and V bits (editable; overridden layers in bold). It only shows a config: edits go
+    back to the panel, which owns the setting."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.first_spin = QSpinBox()
+        self.last_spin = QSpinBox()
+        for spin, value in ((self.first_spin, 4), (self.last_spin, 2)):
+            spin.setRange(0, 512)
+            spin.setValue(value)
+        self.apply_first_last = QPushButton("Apply")
+        self.clear_layers = QPushButton("Clear")
+        shortcut = QHBoxLayout()
+        shortcut.setContentsMargins(0, 0, 0, 0)
+        shortcut.addWidget(QLabel("First"))
+        shortcut.addWidget(self.first_spin)
+        shortcut.addWidget(QLabel("and last"))
+        shortcut.addWidget(self.last_spin)
+        shortcut.addWidget(QLabel("layers at K8V8"))
+        shortcut.addStretch(1)
+        shortcut_buttons = QHBoxLayout()
+        shortcut_buttons.setContentsMargins(0, 0, 0, 0)
+        shortcut_buttons.addStretch(1)
+        shortcut_buttons.addWidget(self.apply_first_last)
+        shortcut_buttons.addWidget(self.clear_layers)
+        self.table = QTableWidget(0, 3)
+        self.table.setHorizontalHeaderLabels(["Layer", "K bits", "V bits"])
+        self.table.verticalHeader().setVisible(False)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.table.setItemDelegateForColumn(1, _BitsDelegate(self.table))
+        self.table.setItemDelegateForColumn(2, _BitsDelegate(self.table))
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.DoubleClicked
+                                   | QAbstractItemView.EditTrigger.SelectedClicked
+                                   | QAbstractItemView.EditTrigger.EditKeyPressed)
+        self.table.setMinimumHeight(140)
+        adv = QVBoxLayout(self)
+        adv.setContentsMargins(0, 0, 0, 0)
+        adv.addLayout(shortcut)
+        adv.addLayout(shortcut_buttons)
+        adv.addWidget(self.table)
+
+    def fill(self, config: KVConfig, n_layers: int, overridden: set[int]) -> None:
+        """Show `config`'s precision of each of `n_layers` layers; layers in `overridden` bold."""
+        self.table.setRowCount(n_layers)
+        bold = QFont(self.table.font())
+        bold.setBold(True)
+        for i, layer in enumerate(config.per_layer(n_layers) if n_layers else []):
+            for col, text in ((0, str(i)), (1, str(layer.k_bits)), (2, str(layer.v_bits))):
+                item = self.table.item(i, col)
+                if item is None:
+                    item = QTableWidgetItem()
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
+                    self.table.setItem(i, col, item)
+                item.setText(text)
+                item.setFont(bold if i in overridden and col else self.table.font())
+                flags = Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable
+                if col:
+                    flags |= Qt.ItemFlag.ItemIsEditable
+                item.setFlags(flags)
+
+
 class KVPanel(QWidget):
     settingsChanged = Signal(object)   # {"spec", "ctx", "overflow"}
 
@@ -148,42 +211,11 @@ class KVPanel(QWidget):
         self.advanced_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
         self.advanced_button.setArrowType(Qt.ArrowType.RightArrow)
         self.advanced_button.setAutoRaise(True)
-        self.advanced = QWidget()
-        self.first_spin = QSpinBox()
-        self.last_spin = QSpinBox()
-        for spin, value in ((self.first_spin, 4), (self.last_spin, 2)):
-            spin.setRange(0, 512)
-            spin.setValue(value)
-        self.apply_first_last = QPushButton("Apply")
-        self.clear_layers = QPushButton("Clear")
-        shortcut = QHBoxLayout()
-        shortcut.setContentsMargins(0, 0, 0, 0)
-        shortcut.addWidget(QLabel("First"))
-        shortcut.addWidget(self.first_spin)
-        shortcut.addWidget(QLabel("and last"))
-        shortcut.addWidget(self.last_spin)
-        shortcut.addWidget(QLabel("layers at K8V8"))
-        shortcut.addStretch(1)
-        shortcut_buttons = QHBoxLayout()
-        shortcut_buttons.setContentsMargins(0, 0, 0, 0)
-        shortcut_buttons.addStretch(1)
-        shortcut_buttons.addWidget(self.apply_first_last)
-        shortcut_buttons.addWidget(self.clear_layers)
-        self.table = QTableWidget(0, 3)
-        self.table.setHorizontalHeaderLabels(["Layer", "K bits", "V bits"])
-        self.table.verticalHeader().setVisible(False)
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
-        self.table.setItemDelegateForColumn(1, _BitsDelegate(self.table))
-        self.table.setItemDelegateForColumn(2, _BitsDelegate(self.table))
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.DoubleClicked
-                                   | QAbstractItemView.EditTrigger.SelectedClicked
-                                   | QAbstractItemView.EditTrigger.EditKeyPressed)
-        self.table.setMinimumHeight(140)
-        adv = QVBoxLayout(self.advanced)
-        adv.setContentsMargins(0, 0, 0, 0)
-        adv.addLayout(shortcut)
-        adv.addLayout(shortcut_buttons)
-        adv.addWidget(self.table)
+        self.advanced = LayerTable()
+        # the table's widgets under the panel's names (tests and the window reach them here)
+        self.first_spin, self.last_spin = self.advanced.first_spin, self.advanced.last_spin
+        self.apply_first_last, self.clear_layers = self.advanced.apply_first_last, self.advanced.clear_layers
+        self.table = self.advanced.table
         self.advanced.setVisible(False)
 
         note = QLabel("Changes apply from the next message.")
@@ -494,25 +526,7 @@ class KVPanel(QWidget):
             self._updating = False
 
     def _fill_table(self, config: KVConfig) -> None:
-        n = self._n_layers or 0
-        self.table.setRowCount(n)
-        bold = QFont(self.table.font())
-        bold.setBold(True)
-        for i, layer in enumerate(config.per_layer(n) if n else []):
-            k, v = layer.k_bits, layer.v_bits
-            overridden = not self._hp and i in self._overrides
-            for col, text in ((0, str(i)), (1, str(k)), (2, str(v))):
-                item = self.table.item(i, col)
-                if item is None:
-                    item = QTableWidgetItem()
-                    item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
-                    self.table.setItem(i, col, item)
-                item.setText(text)
-                item.setFont(bold if overridden and col else self.table.font())
-                flags = Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable
-                if col:
-                    flags |= Qt.ItemFlag.ItemIsEditable
-                item.setFlags(flags)
+        self.advanced.fill(config, self._n_layers or 0, set() if self._hp else set(self._overrides))
 
     def _update_estimate(self, config: KVConfig) -> None:
         g = self._geometry
