@@ -15,12 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from engine import weights
 from engine.gguf_file import GGUFFile
-from engine.kernels import HAVE_NUMBA
-
-pytestmark = pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
-
-if HAVE_NUMBA:
-    from engine.kernels import quant_matvec as qm
+from engine.kernels import quant_matvec as qm
 
 ALL_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16, QT.BF16]
 GGUF_QUANTIZES = {QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.F16, QT.BF16}
