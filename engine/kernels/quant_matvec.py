@@ -11,8 +11,9 @@ bit for bit; the matvec multiplies exactly those values and differs from `x @ W.
 order (and fusing, FMA) of the float32 additions.
 
 Design. numba leaves SLP vectorization off and fully unrolls the short per-block loops, so a plain
-numba loop over 32-value blocks compiles to scalar code. The per-block work is therefore written as LLVM vector IR (numba `@intrinsic`), one decoder per
-type that turns a block's bytes into <16 x float> vectors of dequantized values:
+numba loop over 32-value blocks compiles to scalar code. The per-block work is therefore written
+as LLVM vector IR (numba `@intrinsic`, in `engine.kernels.vector_ir`'s vocabulary), one decoder
+per type that turns a block's bytes into <16 x float> vectors of dequantized values:
 
     load the block's code bytes as one vector (16 or 32 bytes) -> zero/sign-extend to i32 lanes ->
     shift / mask / or in high bits -> int-to-float -> d * q (+ m)

@@ -195,12 +195,18 @@ class VectorIR:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pointers: array data as i8*, addresses (int64) as typed pointers
+# Pointers: array data as i8*, addresses (int64) and back to typed pointers
 # ---------------------------------------------------------------------------------------------
+
+
+def data_pointer(context, builder, aty, aval):
+    """The data of the array argument `aval` (numba type `aty`) as an i8* (inside a codegen)."""
+    return builder.bitcast(context.make_array(aty)(context, builder, aval).data, I8.as_pointer())
 
 
 @intrinsic
 def address_of(typingctx, arr):
+    """The address of an array's data as an int64 (to pass arrays by address)."""
     sig = types.int64(arr)
 
     def codegen(context, builder, signature, args):
@@ -212,6 +218,7 @@ def address_of(typingctx, arr):
 
 @intrinsic
 def u8_pointer(typingctx, addr):
+    """An int64 address as a uint8 pointer (for numba.carray)."""
     sig = types.CPointer(types.uint8)(addr)
 
     def codegen(context, builder, signature, args):
@@ -222,6 +229,7 @@ def u8_pointer(typingctx, addr):
 
 @intrinsic
 def f32_pointer(typingctx, addr):
+    """An int64 address as a float32 pointer (for numba.carray)."""
     sig = types.CPointer(types.float32)(addr)
 
     def codegen(context, builder, signature, args):
@@ -233,10 +241,6 @@ def f32_pointer(typingctx, addr):
 # ---------------------------------------------------------------------------------------------
 # Row intrinsics over a block decoder: (VectorIR, blk) -> list of <LANES x float>, in row order
 # ---------------------------------------------------------------------------------------------
-
-
-def data_pointer(context, builder, aty, aval):
-    return builder.bitcast(context.make_array(aty)(context, builder, aval).data, I8.as_pointer())
 
 
 def for_each_block(context, builder, signature, args, decoder, bs, ts, each):
@@ -290,7 +294,7 @@ def make_row_dequantize(decoder, bs, ts):
 
         def codegen(context, builder, signature, args):
             for_each_block(context, builder, signature, args, decoder, bs, ts,
-                            lambda v, i, w, ob: v.store(w, ob, 4 * LANES * i))
+                           lambda v, i, w, ob: v.store(w, ob, 4 * LANES * i))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -299,6 +303,7 @@ def make_row_dequantize(decoder, bs, ts):
 
 
 def decode_f16(v, blk):
+    """16 little-endian float16 values at blk -> one <16 x float>, exactly."""
     h = v.b.zext(v.load(blk, 0, vector_type(I16, LANES)), vector_type(I32, LANES))
     return [v.f16(h)]
 
@@ -311,7 +316,18 @@ dequantize_f16_row = make_row_dequantize(decode_f16, 16, 32)
 # numba's disk cache: kernels in engine/kernels/ also depend on this file
 # ---------------------------------------------------------------------------------------------
 
-SHARED_IR_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def _source_hash() -> str:
+    """sha256 of this file's source; empty when it is not on disk (a frozen app, whose cache stamp
+    numba takes from the executable instead, which changes with every build)."""
+    try:
+        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+SHARED_IR_HASH = _source_hash()
 _KERNELS_DIR = Path(__file__).resolve().parent
 
 
