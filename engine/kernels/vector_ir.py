@@ -216,26 +216,23 @@ def address_of(typingctx, arr):
     return sig, codegen
 
 
-@intrinsic
-def u8_pointer(typingctx, addr):
-    """An int64 address as a uint8 pointer (for numba.carray)."""
-    sig = types.CPointer(types.uint8)(addr)
+def _pointer_from_address(numba_type, ir_type):
+    """Intrinsic: an int64 address as a pointer to `numba_type` values (for numba.carray)."""
 
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], I8.as_pointer())
+    @intrinsic
+    def pointer(typingctx, addr):
+        sig = types.CPointer(numba_type)(addr)
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], ir_type.as_pointer())
+
+        return sig, codegen
+
+    return pointer
 
 
-@intrinsic
-def f32_pointer(typingctx, addr):
-    """An int64 address as a float32 pointer (for numba.carray)."""
-    sig = types.CPointer(types.float32)(addr)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], F32.as_pointer())
-
-    return sig, codegen
+u8_pointer = _pointer_from_address(types.uint8, I8)
+f32_pointer = _pointer_from_address(types.float32, F32)
 
 
 # ---------------------------------------------------------------------------------------------
