@@ -1,8 +1,8 @@
 """Open a GGUF file: metadata, tensor table, and zero-copy views of the tensor data.
 
 The header is parsed here rather than with ``gguf.GGUFReader``: that reader builds one numpy view
-per array element, which takes ~21 s for Gemma 3's 262,144-token vocabulary (measured on this
-machine); this parser reads the same header in well under a second. Tensor data is memory-mapped
+per array element, which takes tens of seconds for Gemma 3's 262,144-token vocabulary; this
+parser reads the same header in well under a second. Tensor data is memory-mapped
 read-only; the ``gguf`` package supplies the type constants and the dequantizers.
 
 File layout (GGUF v2/v3, little-endian):

@@ -484,8 +484,8 @@ def _spm_merges(
     """Every split of a normal token into two normal tokens, as (left ids, right ids), ordered by
     the merged token's score (highest first), then merged id, then split position.
 
-    Checking all ~1.2 M splits of Gemma 3's 255 K normal tokens by string slicing takes ~2 s, so
-    it is vectorised: the tokens become rows of code points (longest first, so the tokens longer
+    Checking the more than a million splits of Gemma 3's normal tokens by string slicing takes
+    seconds at every load, so it is vectorised: the tokens become rows of code points (longest first, so the tokens longer
     than k are always the first rows), prefixes and suffixes are looked up by a polynomial hash
     (mod 2^64) among the hashes of whole tokens, and every hit is confirmed by comparing code
     points, so a hash collision can never produce a wrong merge.

@@ -111,12 +111,12 @@ class QuantLinear:
     """
 
     # x with at most this many rows goes to the fused matvec kernels (a pass over the blocks per
-    # row of x); more rows to dequantized tiles and BLAS. Measured on the 2-core test machine
-    # (SmolLM2's layers): matvec 1.7x faster at 2 rows, 1.4x at 6, the GEMM path 1.45x at 8.
+    # row of x); more rows to dequantized tiles and BLAS. The crossover where the GEMM path
+    # becomes the faster one lies between 6 and 8 rows on SmolLM2's layers.
     MATVEC_MAX_ROWS = 6
     # float32 values per dequantized tile (rows = TILE_VALUES // in_features, at least 16):
     # 2**22 values = 16 MiB (one buffer per thread), so that a small model's matrices are one tile
-    # and one BLAS call each, as dense weights are: more, smaller calls were slower here (each
+    # and one BLAS call each, as dense weights are: more, smaller calls are slower (each
     # multi-threaded BLAS call ends in a barrier, which costs most when other processes are busy).
     TILE_VALUES = 1 << 22
 

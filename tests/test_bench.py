@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from engine.bench import DEFAULT_DOC, DEFAULT_QUESTIONS, read_questions
 from engine.cli import main
 
@@ -15,6 +17,7 @@ def test_default_test_set_is_shipped():
     assert len(read_questions(DEFAULT_QUESTIONS)) == 6
 
 
+@pytest.mark.slow
 def test_bench_writes_table_json_and_plot(smollm2_path, tmp_path, capsys):
     doc = tmp_path / "doc.txt"
     doc.write_text((DATA / "texts" / "apache-2.0.txt").read_text()[:1500])

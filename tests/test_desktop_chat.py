@@ -30,6 +30,8 @@ from .qt_wait import pump, wait_until  # noqa: E402
 
 from .conftest import DATA  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a window on a real model, generating answers
+
 TIMEOUT = 120.0
 SHORT = 10
 

@@ -26,6 +26,8 @@ from omlx_desktop.window import MainWindow  # noqa: E402
 
 from .qt_wait import pump, wait_until  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the app started as a process on a real model
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -807,6 +807,7 @@ def real_caches(request):
     return request.param, model, caches
 
 
+@pytest.mark.slow
 def test_real_model_cache_bytes_match_the_estimate(real_caches):
     name, model, caches = real_caches
     expected_layers = {"smollm2": 30, "gemma3": 18}[name]

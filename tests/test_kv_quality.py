@@ -13,6 +13,8 @@ from engine.evaluate import evaluate_kv
 
 from .conftest import DATA
 
+pytestmark = pytest.mark.slow  # both real models evaluated over 512 tokens per KV spec
+
 # spec → (SmolLM2 bar, Gemma3 bar): mean KL vs our own 16-bit KV
 BARS = {"k8v8": (0.001, 0.002), "k6v4": (0.006, 0.010), "k4v4": (0.025, 0.045)}
 N_TOKENS = 512

@@ -15,12 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from engine import weights
 from engine.gguf_file import GGUFFile
-from engine.kernels import HAVE_NUMBA
-
-pytestmark = pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
-
-if HAVE_NUMBA:
-    from engine.kernels import quant_matvec as qm
+from engine.kernels import quant_matvec as qm
 
 ALL_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16, QT.BF16]
 GGUF_QUANTIZES = {QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.F16, QT.BF16}
@@ -373,9 +368,11 @@ def test_float16_conversion_without_f16c(monkeypatch):
     pattern: compiled here, uncached, with the F16C path switched off."""
     from numba import njit
 
-    monkeypatch.setattr(qm, "_F16C", False)
-    deq_f16 = qm._make_deq(*qm._DECODERS[QT.F16])  # vector conversion (F16 weights)
-    deq_q4_1 = qm._make_deq(*qm._DECODERS[QT.Q4_1])  # scalar conversion (block scales)
+    from engine.kernels import vector_ir
+
+    monkeypatch.setattr(vector_ir, "_F16C", False)
+    deq_f16 = vector_ir.make_row_dequantize(*qm._DECODERS[QT.F16])  # vector conversion (F16 weights)
+    deq_q4_1 = vector_ir.make_row_dequantize(*qm._DECODERS[QT.Q4_1])  # scalar conversion (block scales)
 
     @njit
     def run_f16(raw, out):
@@ -399,3 +396,25 @@ def test_float16_conversion_without_f16c(monkeypatch):
     out = np.empty((16, 256), np.float32)
     run_q4_1(raw, out)
     np.testing.assert_array_equal(bits(out), bits(reference(raw, QT.Q4_1)))
+
+
+def test_kernel_caches_depend_on_the_shared_vector_ir(monkeypatch):
+    """numba keys a cached kernel by its own source file; the kernels of both kernel modules inline
+    the IR of engine/kernels/vector_ir.py, so their cache stamp carries that file's content hash
+    too, and a different hash (an edit there) makes numba treat their cached code as stale."""
+    from engine.kernels import kv_codes, vector_ir
+
+    for kernel in (qm._rows_q4_1, qm._pool_matvec, kv_codes._halves, kv_codes.decode_attention):
+        locator = kernel._cache._impl.locator
+        stamp = locator.get_source_stamp()
+        assert isinstance(locator, tuple(vector_ir._LOCATORS)) and stamp[1] == vector_ir.SHARED_IR_HASH
+        monkeypatch.setattr(vector_ir, "SHARED_IR_HASH", "edited")
+        assert locator.get_source_stamp() != stamp
+        monkeypatch.undo()
+    from numba import njit
+
+    @njit(cache=True)  # a function outside engine/kernels/ keeps numba's own locator (never compiled here)
+    def elsewhere(x):
+        return x
+
+    assert not isinstance(elsewhere._cache._impl.locator, tuple(vector_ir._LOCATORS))

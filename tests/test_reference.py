@@ -15,6 +15,8 @@ from engine.sampling import SamplingParams
 
 from .conftest import REFERENCE_NAMES, reference_json, reference_npz_path
 
+pytestmark = pytest.mark.slow  # both real models against llama.cpp's logits over long texts
+
 TEXTS = ["gpl-3", "kv-cache-article-zh", "gpl-3-long"]
 
 

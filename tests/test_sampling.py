@@ -84,18 +84,26 @@ def test_invalid_params_name_the_parameter(field, value, words):
         Sampler(params)
 
 
-def test_valid_params():
-    SamplingParams().validate()
-    SamplingParams(
-        temperature=1.2,
-        top_k=40,
-        top_p=0.0,
-        min_p=1.0,
-        repetition_penalty=0.8,
-        repetition_last_n=-1,
-        seed=0,
-    ).validate()
-    SamplingParams(top_k=np.int64(5), seed=np.int64(3), temperature=np.float32(0.5)).validate()
+def test_valid_params_at_the_edges_of_their_ranges():
+    """Values on the boundary of each range are accepted and do what they say."""
+    logits = random_logits(1000, 4)
+    best = int(np.argmax(logits))
+    for edge in (SamplingParams(top_p=0.0, temperature=1.0), SamplingParams(min_p=1.0, temperature=1.0)):
+        assert edge.validate() is None
+        ids, probs = Sampler(edge).distribution(logits)  # a nucleus of 0 / min_p of 1: argmax only
+        assert ids.tolist() == [best] and probs.tolist() == [1.0]
+    whole = SamplingParams(temperature=1.2, repetition_penalty=0.8, repetition_last_n=-1, seed=0)
+    assert whole.validate() is None
+    history = [best, 3]  # last_n = -1 reaches the first token of the history too
+    expected = reference_distribution(logits, whole, history)
+    assert as_dict(*Sampler(whole).distribution(logits, history)) == pytest.approx(expected, abs=1e-12)
+    # numpy scalars count as numbers: top_k=np.int64(5) keeps five, seed=np.int64(3) seeds like 3
+    numpy_scalars = SamplingParams(top_k=np.int64(5), seed=np.int64(3), temperature=np.float32(0.5))
+    assert numpy_scalars.validate() is None
+    assert len(Sampler(numpy_scalars).distribution(logits)[0]) == 5
+    plain = SamplingParams(top_k=5, seed=3, temperature=0.5)
+    draws = [Sampler(p) for p in (numpy_scalars, plain)]
+    assert [draws[0].sample(logits) for _ in range(30)] == [draws[1].sample(logits) for _ in range(30)]
 
 
 # -------------------------------------------------------------------------- greedy & seeding

@@ -15,6 +15,8 @@ from engine.session import ANSWER_RESERVE, DocumentError, Session, read_document
 
 from .conftest import DATA
 
+pytestmark = pytest.mark.slow  # real-model turns, overflow rounds and CLI subprocesses
+
 GPL = (DATA / "texts" / "gpl-3.txt").read_text()
 
 

@@ -1,8 +1,11 @@
-"""Optional compiled kernels (numba). `HAVE_NUMBA` says whether they can be imported; callers keep
-a numpy path and use `engine.kernels.kv_codes` only when it is True.
+"""Compiled kernels (numba). `HAVE_NUMBA` says whether they can be imported; callers keep a numpy
+path and use the kernels only when it is True.
 
 `engine.kernels.quant_matvec`: products and row lookups straight from GGUF quantized weight
-blocks (used by `engine.weights` when HAVE_NUMBA is True)."""
+blocks (used by `engine.weights` when HAVE_NUMBA is True).
+`engine.kernels.kv_codes`: attention straight from packed KV cache blocks.
+`engine.kernels.vector_ir`: the LLVM vector IR both write their inner loops in, and the numba
+cache locators that make an edit to it recompile their kernels."""
 
 from importlib.util import find_spec
 

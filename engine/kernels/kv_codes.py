@@ -36,7 +36,19 @@ from numba import carray, get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quant_matvec import _CONTRACT, _F32, _I8, _I16, _I32, _I64, _IR, _data_ptr, _deq_f16, _u8_ptr, _vt
+from .vector_ir import (
+    CONTRACT,
+    F32,
+    I8,
+    I16,
+    I32,
+    I64,
+    VectorIR,
+    data_pointer,
+    dequantize_f16_row,
+    u8_pointer,
+    vector_type,
+)
 
 # fast-math flags that let LLVM vectorize the float reductions (reassociate) and fuse multiply-adds,
 # without assuming the data is free of infinities / NaNs
@@ -70,7 +82,7 @@ def _halves(src, out):
 def _f16_tile(src, out):
     """`_halves`, 16 values at a time with the weight kernels' vector conversion when it can."""
     if out.shape[0] % 16 == 0:
-        _deq_f16(src, out)
+        dequantize_f16_row(src, out)
     else:
         _halves(src, out)
 
@@ -382,12 +394,11 @@ def _layout(fmt, n_kv_heads: int, block_tokens: int, head_dim: int) -> tuple:
 
 # Calls of at least this many values (Hkv*T*D per block × blocks) split their blocks over the numba
 # threads (numba.get_num_threads(): NUMBA_NUM_THREADS, numba.set_num_threads()); None = never, the
-# default. Decode calls these kernels once per 16-block pool slab (~50 µs of work each, ~500 calls
-# per token) between numpy/OpenBLAS matmuls; every parallel region then waits for a second thread
-# that numba's OpenMP layer leaves spinning for milliseconds after each region, or that another
-# process holds. Measured end to end on 2 cores (SmolLM2, K4V4, 4,096 tokens, a machine shared
-# with other jobs): ~160 ms/token single-threaded, ~520 ms/token with every slab split over 2
-# threads, about even with OMP_WAIT_POLICY=PASSIVE. 32768 splits every slab.
+# default. Decode calls these kernels once per 16-block pool slab (tens of microseconds of work
+# each, hundreds of calls per token) between numpy/OpenBLAS matmuls; every parallel region then
+# waits for a second thread that numba's OpenMP layer leaves spinning for milliseconds after each
+# region, or that another process holds, so splitting slabs made decode several times slower
+# (no faster with OMP_WAIT_POLICY=PASSIVE). 32768 splits every slab.
 PARALLEL_MIN_VALUES: int | None = None
 
 
@@ -471,15 +482,15 @@ def weighted_values(
 # ---- one decode step -------------------------------------------------------------------------
 # A token being decoded (one query per head) attends to its layer's whole cache in one call:
 # scores over the quantized blocks (read from their packed codes), the full-precision sinks and
-# the recent tokens, the masked softmax, and the weighted values. The numpy path in
-# `engine.kv.paged` needs ~30 array operations per layer for the same step, each with its own
-# overhead; on small models that overhead, not the arithmetic, was most of a decode step.
+# the recent tokens, the masked softmax, and the weighted values. The numpy path needs a few
+# dozen array operations per layer for the same step, each with its own overhead; on small models
+# that overhead, not the arithmetic, is most of a decode step.
 
 
 @njit(cache=True, nogil=True)
 def _row_at(addr, n):
     """The pool row of n bytes at address `addr` (a row of a live slab; see `row_addresses`)."""
-    return carray(_u8_ptr(addr), (n,))
+    return carray(u8_pointer(addr), (n,))
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -525,9 +536,9 @@ def _softmax_in_place(x, scale):
 
 # ---- packed tiles in explicit vector IR -------------------------------------------------------
 # numba compiles per-token loops over packed codes to code that spends most of its time on scalar
-# byte loads, accumulator loads/stores and per-token shuffles (~90 cycles per token and head for
-# 4 queries over 64 channels of 4-bit codes, where the arithmetic is ~25). The intrinsics below
-# write the same sums as LLVM vector IR (the weight kernels' vocabulary, `quant_matvec._IR`),
+# byte loads, accumulator loads/stores and per-token shuffles, several times the arithmetic's
+# share. The intrinsics below
+# write the same sums as LLVM vector IR (the weight kernels' vocabulary, `vector_ir.VectorIR`),
 # reading codes of any width 2..8 straight from the bit stream:
 #
 #   16 codes of `bits` bits (2*bits bytes; code j is bits [j*bits, (j+1)*bits) of the
@@ -559,7 +570,7 @@ def _arr_dim(context, builder, aty, aval, axis):
 
 
 def _i64(x):
-    return ir.Constant(_I64, x)
+    return ir.Constant(I64, x)
 
 
 def _codes16(v, chunk, bits):
@@ -568,23 +579,23 @@ def _codes16(v, chunk, bits):
     16 float16 values (converted exactly, F16C when the CPU has it)."""
     b = v.b
     if bits == 16:
-        return v.f16(b.zext(v.load(chunk, 0, _vt(_I16, 16)), _vt(_I32, 16)))
+        return v.f16(b.zext(v.load(chunk, 0, vector_type(I16, 16)), vector_type(I32, 16)))
     n_bytes = 2 * bits
-    raw = v.load(chunk, 0, _vt(_I8, n_bytes))
+    raw = v.load(chunk, 0, vector_type(I8, n_bytes))
     if bits == 4:
-        w = b.zext(raw, _vt(_I32, 8))
+        w = b.zext(raw, vector_type(I32, 8))
         return b.shuffle_vector(v.sf(v.and_(w, 15)), v.sf(v.shr(w, 4)), v.civ(range(16)))
     if bits == 8:
-        return v.sf(b.zext(raw, _vt(_I32, 16)))
+        return v.sf(b.zext(raw, vector_type(I32, 16)))
     # one byte shuffle builds each lane's little-endian i32 from the code's first byte and the
     # next (zeros above): a 32-bit window holds shift (<= 7) + bits (<= 8) bits
-    zeros = ir.Constant(_vt(_I8, n_bytes), [0] * n_bytes)
+    zeros = ir.Constant(vector_type(I8, n_bytes), [0] * n_bytes)
     picks = []
     for j in range(16):
         first, shift = j * bits // 8, j * bits % 8
         second = first + 1 if shift + bits > 8 else n_bytes  # n_bytes: a zero byte
         picks += [first, second, n_bytes, n_bytes]
-    w = b.bitcast(b.shuffle_vector(raw, zeros, v.civ(picks)), _vt(_I32, 16))
+    w = b.bitcast(b.shuffle_vector(raw, zeros, v.civ(picks)), vector_type(I32, 16))
     shifts = [j * bits % 8 for j in range(16)]
     if any(shifts):
         w = b.lshr(w, v.civ(shifts))
@@ -609,8 +620,8 @@ def _for_each_width(builder, bits, emit):
 
 def _fma_into(builder, acc_ptr, a, x):
     """*acc_ptr += a * x (fusable)."""
-    prod = builder.fmul(a, x, flags=_CONTRACT)
-    builder.store(builder.fadd(builder.load(acc_ptr), prod, flags=_CONTRACT), acc_ptr)
+    prod = builder.fmul(a, x, flags=CONTRACT)
+    builder.store(builder.fadd(builder.load(acc_ptr), prod, flags=CONTRACT), acc_ptr)
 
 
 def _make_tile_scores(n_q):
@@ -626,13 +637,13 @@ def _make_tile_scores(n_q):
         sig = types.void(bits, tile_addr, n_tokens, qs, sc, group, out)
 
         def codegen(context, builder, signature, args):
-            v = _IR(builder)
-            vf = _vt(_F32, 16)
+            v = VectorIR(builder)
+            vf = vector_type(F32, 16)
             zero = ir.Constant(vf, [0.0] * 16)
-            bits_v, tile, n_tok, group = args[0], builder.inttoptr(args[1], _I8.as_pointer()), args[2], args[5]
-            qs_p = _data_ptr(context, builder, signature.args[3], args[3])
-            sc_p = _data_ptr(context, builder, signature.args[4], args[4])
-            out_p = _data_ptr(context, builder, signature.args[6], args[6])
+            bits_v, tile, n_tok, group = args[0], builder.inttoptr(args[1], I8.as_pointer()), args[2], args[5]
+            qs_p = data_pointer(context, builder, signature.args[3], args[3])
+            sc_p = data_pointer(context, builder, signature.args[4], args[4])
+            out_p = data_pointer(context, builder, signature.args[6], args[6])
             D = _arr_dim(context, builder, signature.args[3], args[3], 1)
             n_grp = _arr_dim(context, builder, signature.args[4], args[4], 1)
             out_cols = _arr_dim(context, builder, signature.args[6], args[6], 1)
@@ -663,7 +674,7 @@ def _make_tile_scores(n_q):
                         with cgutils.for_range(builder, per_group) as ch:
                             chunk_into(row, builder.add(builder.mul(grp.index, per_group), ch.index), b, parts)
                         sc_off = builder.mul(builder.add(builder.mul(tok.index, n_grp), grp.index), _i64(4))
-                        s = v.splat(v.load(sc_p, sc_off, _F32, align=4), 16)
+                        s = v.splat(v.load(sc_p, sc_off, F32, align=4), 16)
                         for acc, part in zip(accs, parts):
                             _fma_into(builder, acc, s, builder.load(part))
                     for k, acc in enumerate(accs):
@@ -690,11 +701,11 @@ def _make_tile_values(n_q):
         sig = types.void(bits, tile_addr, n_tokens, w, group, acc)
 
         def codegen(context, builder, signature, args):
-            v = _IR(builder)
-            vf = _vt(_F32, VALUE_CHUNK)
-            bits_v, tile, n_tok, group = args[0], builder.inttoptr(args[1], _I8.as_pointer()), args[2], args[4]
-            w_p = _data_ptr(context, builder, signature.args[3], args[3])
-            a_p = _data_ptr(context, builder, signature.args[5], args[5])
+            v = VectorIR(builder)
+            vf = vector_type(F32, VALUE_CHUNK)
+            bits_v, tile, n_tok, group = args[0], builder.inttoptr(args[1], I8.as_pointer()), args[2], args[4]
+            w_p = data_pointer(context, builder, signature.args[3], args[3])
+            a_p = data_pointer(context, builder, signature.args[5], args[5])
             n_grp = _arr_dim(context, builder, signature.args[3], args[3], 2)
             w_q = builder.mul(builder.mul(n_tok, n_grp), _i64(4))  # bytes per query of w
             Dv = _arr_dim(context, builder, signature.args[5], args[5], 1)
@@ -713,7 +724,7 @@ def _make_tile_values(n_q):
                         x = _codes16(v, v.gep(codes0, builder.mul(tok.index, row_bytes)), b)
                         w_off = builder.mul(builder.add(builder.mul(tok.index, n_grp), grp), _i64(4))
                         for k, acc in enumerate(accs):
-                            wk = v.load(w_p, builder.add(w_off, builder.mul(w_q, _i64(k))), _F32, align=4)
+                            wk = v.load(w_p, builder.add(w_off, builder.mul(w_q, _i64(k))), F32, align=4)
                             _fma_into(builder, acc, v.splat(wk, VALUE_CHUNK), x)
                     for k, acc in enumerate(accs):
                         v.store(builder.load(acc), a_p, a_offs[k])
@@ -731,20 +742,20 @@ def _prefetch(typingctx, addr, n_bytes):
     """Ask the CPU to bring the n_bytes at address `addr` into cache (one prefetch per 64-byte
     line, for reading). The decode step reads the next block's tiles this way while it computes
     on the current one: blocks sit anywhere in their slabs, a few KiB each, too short a stream
-    for the hardware prefetcher to ramp up on (measured: a 4,096-token layer's attention took
-    ~3x its cache-hot time)."""
+    for the hardware prefetcher to ramp up on (without the hint, a long layer's attention from
+    memory took several times its cache-hot time)."""
     sig = types.void(addr, n_bytes)
 
     def codegen(context, builder, signature, args):
-        ptr_t = _I8.as_pointer()
+        ptr_t = I8.as_pointer()
         fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [ptr_t, _I32, _I32, _I32]), "llvm.prefetch.p0i8"
+            builder.module, ir.FunctionType(ir.VoidType(), [ptr_t, I32, I32, I32]), "llvm.prefetch.p0i8"
         )
         base = builder.inttoptr(args[0], ptr_t)
         n_lines = builder.sdiv(builder.add(args[1], _i64(63)), _i64(64))
         with cgutils.for_range(builder, n_lines) as line:
             at = builder.gep(base, [builder.mul(line.index, _i64(64))])
-            builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])  # read, keep, data
+            builder.call(fn, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])  # read, keep, data
         return context.get_dummy_value()
 
     return sig, codegen

@@ -11,24 +11,24 @@ bit for bit; the matvec multiplies exactly those values and differs from `x @ W.
 order (and fusing, FMA) of the float32 additions.
 
 Design. numba leaves SLP vectorization off and fully unrolls the short per-block loops, so a plain
-numba loop over 32-value blocks compiles to scalar code (measured here: ~1.2 G values/s per core).
-The per-block work is therefore written as LLVM vector IR (numba `@intrinsic`), one decoder per
-type that turns a block's bytes into <16 x float> vectors of dequantized values:
+numba loop over 32-value blocks compiles to scalar code. The per-block work is therefore written
+as LLVM vector IR (numba `@intrinsic`, in `engine.kernels.vector_ir`'s vocabulary), one decoder
+per type that turns a block's bytes into <16 x float> vectors of dequantized values:
 
     load the block's code bytes as one vector (16 or 32 bytes) -> zero/sign-extend to i32 lanes ->
     shift / mask / or in high bits -> int-to-float -> d * q (+ m)
 
 with the block's float16 scale fields converted exactly (F16C `vcvtph2ps` when the CPU has it,
-which doubled the speed here, else integer operations) and applied as in `gguf.quants`: same
+else integer operations) and applied as in `gguf.quants`: same
 operations in the same order. Every product there (float16 scale x small integer, at most 24
 significant bits) is exact in float32, so fusing `d*q + m` into an FMA keeps gguf's single
 rounding. The row-dot intrinsic loops over a row's blocks, multiplies the vectors with x and
 accumulates into two <16 x float> accumulators (FMA), summed at the end of the row; the
 dequantize intrinsic stores the vectors instead. Rows are split between the calling thread and a
-small pool of worker threads without a barrier (see "Work sharing" below), ~32 KiB of blocks per
-chunk. Measured here (2 cores, SmolLM2's 96 MB of Q4_1/Q8_0 weights, one token's matvecs from
-DRAM): one thread ~5 GB/s of blocks, two ~6.5-8.5 GB/s (a plain numba loop: 2.3 GB/s; DRAM
-streams ~10 GB/s).
+small pool of worker threads without a barrier (see "Work sharing" below), CHUNK_BYTES of blocks
+per chunk. A decode step's matvecs read every weight block from memory once, so their speed is
+bounded by memory bandwidth; the vector decoders and a second thread bring it closer to that bound
+(benchmarks/bench_weights.py measures it).
 
 Row layouts (little-endian; d, m, dmin float16; see ggml-common.h / gguf.quants):
     Q8_0  34 B / 32: d | 32 x int8 q                               w = q*d
@@ -46,8 +46,9 @@ Row layouts (little-endian; d, m, dmin float16; see ggml-common.h / gguf.quants)
     F16 / BF16: 16-value groups of 2-byte values (rows must be a multiple of 16 values).
 
 Compiled code is cached on disk by numba (`cache=True`); `warm_up(types)` loads or compiles the
-kernels a model needs and logs the time (first start on a machine: ~15-30 s, the pool's dispatch
-compiles every type; later starts: well under a second).
+kernels a model needs and logs the time (the first start on a machine compiles them, and the pool's
+dispatch compiles every type; later starts load them). The IR the decoders are written in lives in
+`engine.kernels.vector_ir`, whose cache locators make an edit there recompile these kernels too.
 """
 
 from __future__ import annotations
@@ -65,178 +66,21 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .vector_ir import (
+    F32,
+    I16,
+    I32,
+    LANES,
+    address_of,
+    decode_f16,
+    f32_pointer,
+    make_row_dequantize,
+    make_row_dot,
+    u8_pointer,
+    vector_type,
+)
+
 log = logging.getLogger("omlx.kernels")
-
-
-def _target_has(feature: str) -> bool:
-    """Whether numba compiles for a CPU with `feature` (numba targets the host CPU unless
-    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise)."""
-    from llvmlite import binding
-    from numba.core import config
-
-    if config.CPU_FEATURES is not None:
-        return f"+{feature}" in config.CPU_FEATURES.split(",")
-    if config.CPU_NAME not in (None, "host"):
-        return False
-    return bool(binding.get_host_cpu_features().get(feature, False))
-
-
-# float16 -> float32 with the F16C instruction (vcvtph2ps, exact for every bit pattern) when the
-# target has it, else by integer operations (`_IR.f16`).
-_F16C = _target_has("f16c")
-
-_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_F16, _F32 = ir.HalfType(), ir.FloatType()
-_CONTRACT = ("contract",)
-W = 16  # lanes of the vectors the decoders produce
-
-
-# ---------------------------------------------------------------------------------------------
-# LLVM IR helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def _vt(elt, n):
-    return ir.VectorType(elt, n)
-
-
-class _IR:
-    """Small vector-IR vocabulary over an llvmlite builder. `blk` pointers are i8*."""
-
-    def __init__(self, builder):
-        self.b = builder
-
-    # constants / broadcasts
-    def ci(self, v, n=None, t=_I32):
-        return ir.Constant(t if n is None else _vt(t, n), v if n is None else [v] * n)
-
-    def civ(self, values, t=_I32):
-        return ir.Constant(_vt(t, len(values)), list(values))
-
-    def splat(self, s, n=W):
-        v = ir.Constant(_vt(s.type, n), ir.Undefined)
-        v = self.b.insert_element(v, s, ir.Constant(_I32, 0))
-        return self.b.shuffle_vector(v, v, ir.Constant(_vt(_I32, n), [0] * n))
-
-    # memory
-    def gep(self, ptr, off):
-        if isinstance(off, int):
-            off = ir.Constant(_I64, off)
-        return self.b.gep(ptr, [off])
-
-    def load(self, ptr, off, ty, align=1):
-        p = self.b.bitcast(self.gep(ptr, off), ty.as_pointer())
-        return self.b.load(p, align=align)
-
-    def store(self, val, ptr, off, align=4):
-        p = self.b.bitcast(self.gep(ptr, off), val.type.as_pointer())
-        self.b.store(val, p, align=align)
-
-    def u8(self, blk, off, n=W):
-        """n bytes as zero-extended i32 lanes."""
-        return self.b.zext(self.load(blk, off, _vt(_I8, n)), _vt(_I32, n))
-
-    def s8(self, blk, off, n=W):
-        return self.b.sext(self.load(blk, off, _vt(_I8, n)), _vt(_I32, n))
-
-    def u8s(self, blk, off):
-        """One byte as a zero-extended i32 scalar."""
-        return self.b.zext(self.load(blk, off, _I8), _I32)
-
-    def s8s(self, blk, off):
-        return self.b.sext(self.load(blk, off, _I8), _I32)
-
-    def u16s(self, blk, off):
-        return self.b.zext(self.load(blk, off, _I16), _I32)
-
-    def u32s(self, blk, off):
-        return self.load(blk, off, _I32)
-
-    # integer lane ops (scalar or vector; int right operands are splatted)
-    def _c(self, a, c):
-        if isinstance(c, int):
-            return self.ci(c, a.type.count if isinstance(a.type, ir.VectorType) else None)
-        return c
-
-    def and_(self, a, c):
-        return self.b.and_(a, self._c(a, c))
-
-    def or_(self, a, c):
-        return self.b.or_(a, self._c(a, c))
-
-    def shr(self, a, c):
-        return self.b.lshr(a, self._c(a, c))
-
-    def shl(self, a, c):
-        return self.b.shl(a, self._c(a, c))
-
-    def sub(self, a, c):
-        return self.b.sub(a, self._c(a, c))
-
-    def add(self, a, c):
-        return self.b.add(a, self._c(a, c))
-
-    # conversions
-    def sf(self, a):
-        """Signed integer lanes -> float32 (exact: |a| < 2**24)."""
-        t = _vt(_F32, a.type.count) if isinstance(a.type, ir.VectorType) else _F32
-        return self.b.sitofp(a, t)
-
-    def f16(self, h):
-        """float16 bit patterns (i32 lanes, 0..65535) -> float32, exactly, by integer operations:
-        normal numbers rebias the exponent, subnormals are mantissa * 2**-24 (exact in float32),
-        infinities / NaNs keep an all-ones exponent and their payload."""
-        b = self.b
-        vec = isinstance(h.type, ir.VectorType)
-        n = h.type.count if vec else None
-        if _F16C:
-            h16 = b.trunc(h, _vt(_I16, n) if vec else _I16)
-            return b.fpext(b.bitcast(h16, _vt(_F16, n) if vec else _F16), _vt(_F32, n) if vec else _F32)
-        em = self.and_(h, 0x7FFF)
-        r = self.add(self.shl(em, 13), 112 << 23)
-        r_inf = self.add(r, 112 << 23)
-        ft = _vt(_F32, n) if vec else _F32
-        two_m24 = ir.Constant(ft, [2.0**-24] * n) if vec else ir.Constant(_F32, 2.0**-24)
-        r_sub = b.bitcast(b.fmul(b.sitofp(em, ft), two_m24), h.type)
-        r = b.select(b.icmp_unsigned(">=", em, self._c(em, 0x7C00)), r_inf, r)
-        r = b.select(b.icmp_unsigned("<", em, self._c(em, 0x0400)), r_sub, r)
-        r = b.or_(r, self.shl(self.and_(h, 0x8000), 16))
-        return b.bitcast(r, ft)
-
-    # float lane ops. The products the decoders form (float16 scale x small integer, at most 24
-    # significant bits) are exact in float32, so letting LLVM fuse `d*q + m` into an FMA
-    # (`contract`) gives the same single rounding as gguf's separate multiply and add.
-    def fmul(self, a, s):
-        if not isinstance(s.type, ir.VectorType) and isinstance(a.type, ir.VectorType):
-            s = self.splat(s, a.type.count)
-        return self.b.fmul(s, a, flags=_CONTRACT)
-
-    def fadd(self, a, s):
-        if not isinstance(s.type, ir.VectorType) and isinstance(a.type, ir.VectorType):
-            s = self.splat(s, a.type.count)
-        return self.b.fadd(a, s, flags=_CONTRACT)
-
-    def fsub(self, a, s):
-        if not isinstance(s.type, ir.VectorType) and isinstance(a.type, ir.VectorType):
-            s = self.splat(s, a.type.count)
-        return self.b.fsub(a, s, flags=_CONTRACT)
-
-    def lo16(self, v):
-        return self.b.shuffle_vector(v, v, self.civ(range(16)))
-
-    def hi16(self, v):
-        return self.b.shuffle_vector(v, v, self.civ(range(16, 32)))
-
-    def hsum(self, v):
-        """Sum of the lanes of a float vector (pairwise tree)."""
-        n = v.type.count
-        while n > 1:
-            h = n // 2
-            a = self.b.shuffle_vector(v, v, self.civ(range(h)))
-            c = self.b.shuffle_vector(v, v, self.civ(range(h, n)))
-            v = self.b.fadd(a, c)
-            n = h
-        return self.b.extract_element(v, ir.Constant(_I32, 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,14 +180,9 @@ def _dec_q6_k(v, blk):
     return out
 
 
-def _dec_f16(v, blk):
-    h = v.b.zext(v.load(blk, 0, _vt(_I16, W)), _vt(_I32, W))
-    return [v.f16(h)]
-
-
 def _dec_bf16(v, blk):
-    h = v.b.zext(v.load(blk, 0, _vt(_I16, W)), _vt(_I32, W))
-    return [v.b.bitcast(v.shl(h, 16), _vt(_F32, W))]
+    h = v.b.zext(v.load(blk, 0, vector_type(I16, LANES)), vector_type(I32, LANES))
+    return [v.b.bitcast(v.shl(h, 16), vector_type(F32, LANES))]
 
 
 # ggml type -> (decoder, values per block, bytes per block)
@@ -356,7 +195,7 @@ _DECODERS = {
     QT.Q4_K: (_dec_q4_k, 256, 144),
     QT.Q5_K: (_dec_q5_k, 256, 176),
     QT.Q6_K: (_dec_q6_k, 256, 210),
-    QT.F16: (_dec_f16, 16, 32),
+    QT.F16: (decode_f16, 16, 32),
     QT.BF16: (_dec_bf16, 16, 32),
 }
 
@@ -366,90 +205,27 @@ _DECODERS = {
 # ---------------------------------------------------------------------------------------------
 
 
-def _data_ptr(context, builder, aty, aval):
-    return builder.bitcast(context.make_array(aty)(context, builder, aval).data, _I8.as_pointer())
+_dot_q8_0 = make_row_dot(*_DECODERS[QT.Q8_0])
+_dot_q4_0 = make_row_dot(*_DECODERS[QT.Q4_0])
+_dot_q4_1 = make_row_dot(*_DECODERS[QT.Q4_1])
+_dot_q5_0 = make_row_dot(*_DECODERS[QT.Q5_0])
+_dot_q5_1 = make_row_dot(*_DECODERS[QT.Q5_1])
+_dot_q4_k = make_row_dot(*_DECODERS[QT.Q4_K])
+_dot_q5_k = make_row_dot(*_DECODERS[QT.Q5_K])
+_dot_q6_k = make_row_dot(*_DECODERS[QT.Q6_K])
+_dot_f16 = make_row_dot(*_DECODERS[QT.F16])
+_dot_bf16 = make_row_dot(*_DECODERS[QT.BF16])
 
-
-def _for_each_block(context, builder, signature, args, decoder, bs, ts, each):
-    """The loop both intrinsics share: over the blocks of a row (args[0], 1-D uint8), as many as
-    the float32 array args[1] (1-D, C) holds values; calls each(v, i, w, fp) for the i-th decoded
-    <16 x float> vector w of a block, fp pointing at that block's first float of args[1]."""
-    v = _IR(builder)
-    sp = _data_ptr(context, builder, signature.args[0], args[0])
-    fp0 = _data_ptr(context, builder, signature.args[1], args[1])
-    farr = context.make_array(signature.args[1])(context, builder, args[1])
-    n_blocks = builder.sdiv(cgutils.unpack_tuple(builder, farr.shape, 1)[0], ir.Constant(_I64, bs))
-    with cgutils.for_range(builder, n_blocks) as loop:
-        blk = v.gep(sp, builder.mul(loop.index, ir.Constant(_I64, ts)))
-        fp = v.gep(fp0, builder.mul(loop.index, ir.Constant(_I64, 4 * bs)))
-        for i, w in enumerate(decoder(v, blk)):
-            each(v, i, w, fp)
-    return v
-
-
-def _make_dot(decoder, bs, ts):
-    """Intrinsic dot(src, x) -> float32: src a row's blocks (1-D uint8), x (1-D float32, C)."""
-
-    @intrinsic
-    def dot(typingctx, src, x):
-        sig = types.float32(src, x)
-
-        def codegen(context, builder, signature, args):
-            vf = _vt(_F32, W)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * W)) for _ in range(2)]
-
-            def accumulate(v, i, w, xb):
-                xv = v.load(xb, 4 * W * i, vf, align=4)
-                acc = accs[i % 2]
-                prod = builder.fmul(xv, w, flags=_CONTRACT)
-                builder.store(builder.fadd(builder.load(acc), prod, flags=_CONTRACT), acc)
-
-            v = _for_each_block(context, builder, signature, args, decoder, bs, ts, accumulate)
-            return v.hsum(builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
-
-        return sig, codegen
-
-    return dot
-
-
-def _make_deq(decoder, bs, ts):
-    """Intrinsic deq(src, out): out (1-D float32, C) = the dequantized row src."""
-
-    @intrinsic
-    def deq(typingctx, src, out):
-        sig = types.void(src, out)
-
-        def codegen(context, builder, signature, args):
-            _for_each_block(context, builder, signature, args, decoder, bs, ts,
-                            lambda v, i, w, ob: v.store(w, ob, 4 * W * i))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return deq
-
-
-_dot_q8_0 = _make_dot(*_DECODERS[QT.Q8_0])
-_dot_q4_0 = _make_dot(*_DECODERS[QT.Q4_0])
-_dot_q4_1 = _make_dot(*_DECODERS[QT.Q4_1])
-_dot_q5_0 = _make_dot(*_DECODERS[QT.Q5_0])
-_dot_q5_1 = _make_dot(*_DECODERS[QT.Q5_1])
-_dot_q4_k = _make_dot(*_DECODERS[QT.Q4_K])
-_dot_q5_k = _make_dot(*_DECODERS[QT.Q5_K])
-_dot_q6_k = _make_dot(*_DECODERS[QT.Q6_K])
-_dot_f16 = _make_dot(*_DECODERS[QT.F16])
-_dot_bf16 = _make_dot(*_DECODERS[QT.BF16])
-
-_deq_q8_0 = _make_deq(*_DECODERS[QT.Q8_0])
-_deq_q4_0 = _make_deq(*_DECODERS[QT.Q4_0])
-_deq_q4_1 = _make_deq(*_DECODERS[QT.Q4_1])
-_deq_q5_0 = _make_deq(*_DECODERS[QT.Q5_0])
-_deq_q5_1 = _make_deq(*_DECODERS[QT.Q5_1])
-_deq_q4_k = _make_deq(*_DECODERS[QT.Q4_K])
-_deq_q5_k = _make_deq(*_DECODERS[QT.Q5_K])
-_deq_q6_k = _make_deq(*_DECODERS[QT.Q6_K])
-_deq_f16 = _make_deq(*_DECODERS[QT.F16])
-_deq_bf16 = _make_deq(*_DECODERS[QT.BF16])
+_deq_q8_0 = make_row_dequantize(*_DECODERS[QT.Q8_0])
+_deq_q4_0 = make_row_dequantize(*_DECODERS[QT.Q4_0])
+_deq_q4_1 = make_row_dequantize(*_DECODERS[QT.Q4_1])
+_deq_q5_0 = make_row_dequantize(*_DECODERS[QT.Q5_0])
+_deq_q5_1 = make_row_dequantize(*_DECODERS[QT.Q5_1])
+_deq_q4_k = make_row_dequantize(*_DECODERS[QT.Q4_K])
+_deq_q5_k = make_row_dequantize(*_DECODERS[QT.Q5_K])
+_deq_q6_k = make_row_dequantize(*_DECODERS[QT.Q6_K])
+_deq_f16 = make_row_dequantize(*_DECODERS[QT.F16])
+_deq_bf16 = make_row_dequantize(*_DECODERS[QT.BF16])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -632,12 +408,12 @@ def _rows_any(kind, raw, x, y, r0, r1, yoff):
 # Work sharing between cores without a barrier
 # ---------------------------------------------------------------------------------------------
 # numba's `prange` (OpenMP here) ends every parallel region with a barrier: the caller waits until
-# each thread has run its share. On this 2-core machine, whenever another process keeps the second
-# core busy, the woken worker waits for the scheduler (measured: ~8 ms per call; decode fell from
-# ~20 to 0.6 tokens/s with 2 threads while a test suite ran next to it). Here the caller never
-# waits long for another thread:
+# each thread has run its share. Whenever another process keeps the other cores busy, the woken
+# worker waits for the scheduler, milliseconds per call against a matvec of microseconds, so decode
+# with two threads became many times slower than with one. Here the caller never waits long for
+# another thread:
 #
-# * A job is a row range cut into chunks (~32 KiB of blocks each); each chunk's state is claimed
+# * A job is a row range cut into chunks (CHUNK_BYTES of blocks each); each chunk's state is claimed
 #   by a compare-and-swap. Each thread first takes the chunks of its own share (the caller the
 #   first 1/parts of them, worker i the i-th), in order, then any chunk still free, nearest to its
 #   share first, so threads meet at the ends of their shares and touch the same cache lines
@@ -718,9 +494,9 @@ def _pause(typingctx):
                                                 "llvm.x86.sse2.pause")
             builder.call(fn, [])
         elif _MACHINE in ("arm64", "aarch64"):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I32]),
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [I32]),
                                                 "llvm.aarch64.hint")
-            builder.call(fn, [ir.Constant(_I32, 1)])  # YIELD
+            builder.call(fn, [ir.Constant(I32, 1)])  # YIELD
         return context.get_dummy_value()
 
     return sig, codegen
@@ -732,8 +508,8 @@ def _usleep(typingctx, us):
     sig = types.void(us)
 
     def codegen(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_I32]), "usleep")
-        builder.call(fn, [builder.trunc(args[0], _I32)])
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [I32]), "usleep")
+        builder.call(fn, [builder.trunc(args[0], I32)])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -745,40 +521,9 @@ def _yield(typingctx):
     sig = types.void()
 
     def codegen(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, []), "sched_yield")
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, []), "sched_yield")
         builder.call(fn, [])
         return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _addr(typingctx, arr):
-    sig = types.int64(arr)
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        return builder.ptrtoint(data, _I64)
-
-    return sig, codegen
-
-
-@intrinsic
-def _u8_ptr(typingctx, addr):
-    sig = types.CPointer(types.uint8)(addr)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], _I8.as_pointer())
-
-    return sig, codegen
-
-
-@intrinsic
-def _f32_ptr(typingctx, addr):
-    sig = types.CPointer(types.float32)(addr)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], _F32.as_pointer())
 
     return sig, codegen
 
@@ -786,9 +531,9 @@ def _f32_ptr(typingctx, addr):
 @njit(nogil=True, cache=True)
 def _compute(kind, raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
     """Rows r0..r1 of a job into out (T, out_cols) at columns r - out_off (arrays by address)."""
-    raw = carray(_u8_ptr(raw_addr), (n_rows, row_bytes))
-    x = carray(_f32_ptr(x_addr), (T, K))
-    out = carray(_f32_ptr(out_addr), (T, out_cols))
+    raw = carray(u8_pointer(raw_addr), (n_rows, row_bytes))
+    x = carray(f32_pointer(x_addr), (T, K))
+    out = carray(f32_pointer(out_addr), (T, out_cols))
     _rows_any(kind, raw, x, out, r0, r1, out_off)
 
 
@@ -811,7 +556,7 @@ def _pool_matvec(ctl, states, kind, raw, x, xbuf, y, chunk, grace, parts):
     for t in range(T):
         for k in range(K):
             xbuf[t * K + k] = x[t, k]
-    raw_addr, x_addr, y_addr = _addr(raw), _addr(xbuf), _addr(y)
+    raw_addr, x_addr, y_addr = address_of(raw), address_of(xbuf), address_of(y)
     _astore(ctl, _DSEQ, -1)  # (atomic stores: the compiler keeps them in this order)
     _astore(ctl, _DESC, kind)
     _astore(ctl, _DESC + 1, raw_addr)
@@ -871,10 +616,10 @@ def _worker_chunk(states, base, buf, kind, raw_addr, n_rows, row_bytes, x_addr, 
         return  # taken
     r0 = c * chunk
     r1 = min(n_rows, r0 + chunk)
-    _compute(kind, raw_addr, n_rows, row_bytes, x_addr, T, K, _addr(buf), chunk, r0, r0, r1)
+    _compute(kind, raw_addr, n_rows, row_bytes, x_addr, T, K, address_of(buf), chunk, r0, r0, r1)
     if _acas(states, c, base | _ST_COMPUTING, base | _ST_COMMITTING) != base | _ST_COMPUTING:
         return  # stolen while computing: drop the result
-    y = carray(_f32_ptr(y_addr), (T, n_rows))  # the caller waits while the chunk is committing
+    y = carray(f32_pointer(y_addr), (T, n_rows))  # the caller waits while the chunk is committing
     for t in range(T):
         for r in range(r0, r1):
             y[t, r] = buf[t * chunk + r - r0]
@@ -930,12 +675,12 @@ def _worker_loop(ctl, states, buf, part, spin, poll_us, polls):
 class _Pool:
     """Worker threads for `_pool_matvec` (cores - 1 of them) and the buffers jobs use."""
 
-    SPIN = 4000  # sched_yield loops (~0.75 µs each here: ~3 ms) before sleeping between polls
-    POLL_US = 50  # µs per sleep while polling (~110 µs with the kernel's timer slack)
-    POLLS = 1000  # sleeps (~0.1 s) before parking until the next job wakes it
+    SPIN = 4000  # sched_yield loops (a few ms) before sleeping between polls
+    POLL_US = 50  # µs per sleep while polling (longer in effect: the kernel's timer slack)
+    POLLS = 1000  # sleeps (about a tenth of a second) before parking until the next job wakes it
     BUF_VALUES = 1 << 14  # a worker's chunk buffer (T x rows per chunk floats)
     # Grace before stealing a worker's chunk: GRACE x the time the chunk should take at
-    # RATE bytes/s (a core reads ~5 GB/s of blocks here).
+    # RATE bytes/s (below what one core reads of blocks, so the estimate errs long).
     GRACE, RATE = 3.0, 4e9
     # Back-off: after STRIKES jobs in a row that had to steal (the worker keeps losing its core to
     # other processes), run matvecs on the calling thread alone for BACKOFF_S seconds (the
@@ -1036,7 +781,7 @@ def kernel_threads() -> int:
 
 
 # Bytes of quantized rows per chunk of a job: claiming a chunk is an atomic on a line both cores
-# touch (~0.1-0.2 µs), small against the ~5 µs a 32 KiB chunk takes; a matrix of a few hundred
+# touch, an order of magnitude cheaper than computing a chunk this size; a matrix of a few hundred
 # KiB still splits into enough chunks to share.
 CHUNK_BYTES = 32768
 _pool: _Pool | None = None
