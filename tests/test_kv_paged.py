@@ -22,7 +22,6 @@ import pytest
 from engine import weights
 from engine.errors import KVPoolFull
 from engine.gguf_file import GGUFFile
-from engine.kernels import HAVE_NUMBA
 from engine.kv.cache import FullPrecisionLayerCache, KVCache
 from engine.kv.config import PRESETS, KVConfig, estimate_bytes
 from engine.kv.formats import get_format
@@ -172,8 +171,7 @@ def test_f16_paged_cache_matches_reference_cache(tiny, spec):
     np.testing.assert_allclose(prefill(tiny, cache, ids), ref, **tol)
     np.testing.assert_allclose(chunked(tiny, tiny.new_cache(spec), ids), ref, **tol)
     np.testing.assert_allclose(decode(tiny, tiny.new_cache(spec, use_kernels=False), ids), ref, **tol)
-    if HAVE_NUMBA:
-        np.testing.assert_allclose(decode(tiny, tiny.new_cache(spec, use_kernels=True), ids), ref, **tol)
+    np.testing.assert_allclose(decode(tiny, tiny.new_cache(spec, use_kernels=True), ids), ref, **tol)
 
 
 def test_new_cache_builds_the_configured_pools(tiny):
@@ -224,14 +222,12 @@ def test_layer_prefill_chunks_and_decode_agree(spec, window):
     np.testing.assert_allclose(run([13] * 5 + [5]), one, atol=2e-5, rtol=0)
     np.testing.assert_allclose(run([1] * T, use_kernels=False), one, atol=2e-5, rtol=0)
     np.testing.assert_allclose(run([3, 1, 1, 30, 2] + [1] * 33, use_kernels=False), one, atol=2e-5, rtol=0)
-    if HAVE_NUMBA:
-        np.testing.assert_allclose(run([1] * T, use_kernels=True), one, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(run([1] * T, use_kernels=True), one, atol=2e-5, rtol=0)
     if spec != "f16":  # and it is not the float16 answer
         f16 = PagedKVCache(KVConfig.parse("f16,bs=16"), n_layers=1, n_kv_heads=Hkv, head_dim=D, windows=[window])
         assert maxdiff(f16[0].attend(q, k, v, scale=0.125, window=window), one) > 1e-3
 
 
-@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("spec", ["f16", "k4v4", "k6v4,rot", "k8v2,sinks=20"])
 def test_decode_kernel_matches_numpy_decode_and_attention_mass(spec, window):
@@ -331,8 +327,7 @@ def test_model_one_layer_prefill_chunks_and_decode_agree_exactly(tiny1, spec, ro
     f16 = prefill(tiny1, tiny1.new_cache(f16_like(spec)), ids)
     tol = dict(rtol=0, atol=1e-5 * np.abs(one).max())
     paths = [run(chunked), run(decode, use_kernels=False)]
-    if HAVE_NUMBA:
-        paths.append(run(decode, use_kernels=True))
+    paths.append(run(decode, use_kernels=True))
     for out, kv in paths:
         for (k1, v1), (k2, v2) in zip(kv_one, kv):  # the premise: the cache got the same inputs
             np.testing.assert_array_equal(k2, k1)
@@ -359,11 +354,10 @@ def test_model_prefill_chunks_and_decode_agree(tiny, spec):
     np.testing.assert_allclose(one[:16], f16[:16], rtol=0, atol=fp_tol)
     paths = {"chunked": chunked(tiny, tiny.new_cache(spec), ids)}
     paths["decode"] = decode(tiny, tiny.new_cache(spec, use_kernels=False), ids)
-    if HAVE_NUMBA:
-        cache = tiny.new_cache(spec, use_kernels=True)
-        assert all(layer.use_kernels for layer in cache.layers)
-        paths["decode+kernels"] = decode(tiny, cache, ids)
-        check_accounting(tiny, cache, len(ids))
+    cache = tiny.new_cache(spec, use_kernels=True)
+    assert all(layer.use_kernels for layer in cache.layers)
+    paths["decode+kernels"] = decode(tiny, cache, ids)
+    check_accounting(tiny, cache, len(ids))
     for name, out in paths.items():
         np.testing.assert_allclose(out[:16], f16[:16], rtol=0, atol=fp_tol, err_msg=name)
         assert maxdiff(out, one) <= 0.25 * quant_err, name
@@ -617,8 +611,7 @@ def test_sink_tokens_are_exact(tiny, sinks):
     spec = f"k2v2,bs=4,sinks={sinks}"
     outs = {"prefill": prefill(tiny, tiny.new_cache(spec), ids), "chunked": chunked(tiny, tiny.new_cache(spec), ids, 5)}
     outs["decode"] = decode(tiny, tiny.new_cache(spec, use_kernels=False), ids)
-    if HAVE_NUMBA:
-        outs["decode+kernels"] = decode(tiny, tiny.new_cache(spec, use_kernels=True), ids)
+    outs["decode+kernels"] = decode(tiny, tiny.new_cache(spec, use_kernels=True), ids)
     for name, out in outs.items():
         np.testing.assert_allclose(out[:exact], f16[:exact], **tol, err_msg=name)
         assert maxdiff(out[exact:], f16[exact:]) > 100 * tol["atol"], name
@@ -702,9 +695,9 @@ def test_memory_error_leaves_the_layers_consistent(gemma6):
     assert len(offsets) == 1, [layer.offset for layer in cache.layers]
 
 
-@pytest.mark.parametrize("use_kernels", [False, True] if HAVE_NUMBA else [False])
+@pytest.mark.parametrize("use_kernels", [False, True])
 def test_decode_into_a_full_pool_raises_before_changing_the_layer(use_kernels):
-    """A decoded token that completes a block when the pool has no room: MemoryError, and the
+    """A decoded token that completes a block when the pool has no room: KVPoolFull, and the
     layer still holds exactly what it held (the next attempt, with room, gives the same answer)."""
     rng = np.random.default_rng(9)
     q, k, v = (rng.standard_normal((8, n, 64)).astype(np.float32) for n in (4, 2, 2))
@@ -839,7 +832,6 @@ def test_real_model_cache_bytes_match_the_estimate(real_caches):
     assert full["total"] == blocks * per_block + buffers == nbytes["full"]
 
 
-@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
 def test_attention_kernels_warm_up_once_and_log(caplog, monkeypatch):
     """Engine.load compiles or loads the attention kernels once per process, and says how long it
     took (the first start on a machine compiles them)."""
