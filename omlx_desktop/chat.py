@@ -212,8 +212,10 @@ class ChatController(QObject):
             turn.unsaved = ""
 
     def _end(self, rid: int) -> Turn | None:
+        """The running turn `rid`, ended (its text flushed to the Store); None when it is not the
+        running turn or the window is closing (its results no longer go anywhere)."""
         turn = self.turn
-        if turn is None or turn.id != rid:
+        if self.w.closed or turn is None or turn.id != rid:
             return None
         self.flush()
         self.turn = None
@@ -222,8 +224,6 @@ class ChatController(QObject):
 
     # -- results --------------------------------------------------------------------------
     def on_finished(self, result: TurnFinished) -> None:
-        if self.w.closed:
-            return
         w = self.w
         turn = self._end(result.id)
         if turn is None:
@@ -250,8 +250,6 @@ class ChatController(QObject):
                                   "state": state, "stats": stats, "updates": turn.updates})
 
     def on_failed(self, result: TurnFailed) -> None:
-        if self.w.closed:
-            return
         w = self.w
         turn = self._end(result.id)
         if turn is None:

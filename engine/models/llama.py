@@ -134,7 +134,6 @@ class TransformerBlock:
 class Model(BaseModel):
     architecture = "llama"
     # How a llama-like architecture's attention differs; subclasses override.
-    args_class = ModelArgs
     rope_neox = False  # llama GGUFs: the converter permuted Q/K rows for adjacent pairs
     attention_biases: bool | None = None  # None: q/k/v biases used when the file has them
     qk_norm = False
@@ -160,7 +159,7 @@ class Model(BaseModel):
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Model":
-        return cls(cls.args_class.from_gguf(g), WeightStore(g))
+        return cls(ModelArgs.from_gguf(g, cls.architecture), WeightStore(g))
 
     def hidden(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         a = self.args

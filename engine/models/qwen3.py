@@ -3,21 +3,13 @@ over the head dimension, before rotation), RoPE on halves (NEOX layout), no q/k/
 
 from __future__ import annotations
 
-from ..gguf_file import GGUFFile
 from . import llama
 
 ARCH = "qwen3"
 
 
-class ModelArgs(llama.ModelArgs):
-    @classmethod
-    def from_gguf(cls, g: GGUFFile, arch: str = ARCH) -> "ModelArgs":
-        return super().from_gguf(g, arch)
-
-
 class Model(llama.Model):
     architecture = ARCH
-    args_class = ModelArgs
     rope_neox = True
     attention_biases = False
     qk_norm = True
