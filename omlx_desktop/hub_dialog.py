@@ -150,9 +150,13 @@ class HubDialog(QDialog):
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         for c in range(1, len(COLUMNS)):
             header.setSectionResizeMode(c, QHeaderView.ResizeMode.ResizeToContents)
+        # the fit badge's column holds its widest verdict whatever the rows say
+        header.setSectionResizeMode(3, QHeaderView.ResizeMode.Fixed)
+        header.resizeSection(3, self.fontMetrics().horizontalAdvance(fit.DOES_NOT_FIT) + 24)
         self.fit_note = QLabel("")
         self.fit_note.setStyleSheet(NOTE_STYLE)
         self.fit_note.setWordWrap(True)
+        self.fit_note.hide()
         self.progress_bar = QProgressBar()
         self.progress_bar.setRange(0, 1000)
         self.progress_bar.setTextVisible(True)
@@ -239,7 +243,7 @@ class HubDialog(QDialog):
         self.wanted_file = filename
         self.rows = []
         self.table.setRowCount(0)
-        self.fit_note.setText("")
+        self.fit_note.hide()
         self._show_note(f"Asking the Hub for {repo}…")
         self._run("list", lambda repo, _progress: list_rows(repo), repo)
 
@@ -269,8 +273,10 @@ class HubDialog(QDialog):
                 self.table.setItem(i, c, item)
         if rows:
             self.fit_note.setText(
-                f"Fit: against {format_bytes(rows[0].available)} of memory available now. "
-                "A cancelled download keeps its partial file; Download resumes it.")
+                f"Fit: the file with room to run it, against the {format_bytes(rows[0].available)} of "
+                "memory available now. A cancelled download keeps its partial file; the next Download "
+                "resumes it.")
+            self.fit_note.show()
         wanted = self.wanted_file
         select = next((i for i, r in enumerate(rows) if wanted and wanted in
                        (r.file.name, *(p.name for p in r.file.parts))), 0 if rows else None)
@@ -304,7 +310,6 @@ class HubDialog(QDialog):
         self.cancel_event = threading.Event()
         self.progress_seen = []
         self.progress_bar.setValue(0)
-        self.progress_bar.setFormat("%p%")
         self.progress_bar.show()
         resume = f" (resuming at {format_bytes(row.partial_bytes)})" if row.partial_bytes else ""
         self._show_note(f"Downloading {row.file.name}{resume}…")
@@ -330,10 +335,10 @@ class HubDialog(QDialog):
         self.progress_seen.append((stage, fraction))
         self.progress_bar.setValue(int(fraction * 1000))
         row = self.downloading
-        done = f" — {format_bytes(fraction * row.file.size)} of {format_bytes(row.file.size)}" if row else ""
-        self.progress_bar.setFormat(f"{stage[:1].upper()}{stage[1:]}: %p%")
-        if stage.startswith("downloading"):
-            self.message.setText(f"{stage[:1].upper()}{stage[1:]}{done}")
+        done = ""
+        if row is not None and stage.startswith("downloading"):
+            done = f" — {format_bytes(fraction * row.file.size)} of {format_bytes(row.file.size)}"
+        self.message.setText(f"{stage[:1].upper()}{stage[1:]}{done}")
 
     def _on_succeeded(self, task: int, result) -> None:
         if task != self.task:
@@ -346,8 +351,7 @@ class HubDialog(QDialog):
             self.listed.emit(result)
         else:
             row, self.downloading, self.cancel_event = self.downloading, None, None
-            self.progress_bar.setValue(1000)
-            self.progress_bar.setFormat("Done")
+            self.progress_bar.hide()
             self._mark(row, downloaded=result)
             self._show_note(f"Downloaded {row.file.name} ({format_bytes(row.file.size)}) to {result}; "
                             "loading it.")
@@ -401,6 +405,7 @@ class HubDialog(QDialog):
         self.message.setText(text)
 
     def _show_error(self, text: str) -> None:
+        text = text[:1].upper() + text[1:]
         self.message.setStyleSheet(ERROR_STYLE)
         self.message.setText(text)
         self.failed.emit(text)
@@ -414,8 +419,12 @@ class HubDialog(QDialog):
         self.list_button.setEnabled(not downloading)
         self.repo_edit.setEnabled(not downloading)
         self.download_button.setEnabled(row is not None and not self.busy())
-        self.download_button.setText("Load" if row is not None and row.downloaded else "Download")
+        if row is not None and row.downloaded:
+            self.download_button.setText("Load")
+        elif row is not None and row.partial_bytes:
+            self.download_button.setText("Resume download")
+        else:
+            self.download_button.setText("Download")
         self.cancel_button.setVisible(downloading)
         self.cancel_button.setEnabled(downloading and not (self.cancel_event and self.cancel_event.is_set()))
-        self.table.setEnabled(not downloading)
 

@@ -210,6 +210,10 @@ class ModelController(QObject):
 
     def ask_load_anyway(self, check: FitCheck) -> bool:
         """Asks whether to load a model that does not fit (tests replace this method)."""
+        return self.fit_question(check).exec() == QMessageBox.StandardButton.Yes
+
+    def fit_question(self, check: FitCheck) -> QMessageBox:
+        """The question :meth:`ask_load_anyway` asks: Load anyway (Yes) or Don't load (No, the default)."""
         name = Path(check.path).name
         box = QMessageBox(QMessageBox.Icon.Warning, "Model does not fit in memory",
                           f"{name} probably does not fit in this computer's memory.", parent=self.w)
@@ -221,7 +225,7 @@ class ModelController(QObject):
         box.setDefaultButton(QMessageBox.StandardButton.No)
         box.button(QMessageBox.StandardButton.Yes).setText("Load anyway")
         box.button(QMessageBox.StandardButton.No).setText("Don't load")
-        return box.exec() == QMessageBox.StandardButton.Yes
+        return box
 
     def on_loaded(self, model: ModelInfo) -> None:
         if self.w.closed:

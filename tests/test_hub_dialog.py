@@ -156,7 +156,7 @@ def test_dialog_lists_files_with_sizes_quant_and_fit(window, files, monkeypatch)
 
 def test_unknown_repo_and_a_repo_without_gguf_files_are_messages(window):
     dialog = list_in_dialog(window, "test-org/nope")
-    assert "no Hugging Face repo 'test-org/nope'" in dialog.message_text()
+    assert "No Hugging Face repo 'test-org/nope'" in dialog.message_text()
     assert dialog.table.rowCount() == 0 and not dialog.download_button.isEnabled()
     dialog = list_in_dialog(window, "hf:test-org/safetensors-only")
     assert "has no GGUF files" in dialog.message_text() and "README.md" in dialog.message_text()
