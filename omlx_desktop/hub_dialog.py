@@ -314,8 +314,11 @@ class HubDialog(QDialog):
         resume = f" (resuming at {format_bytes(row.partial_bytes)})" if row.partial_bytes else ""
         self._show_note(f"Downloading {row.file.name}{resume}…")
         cancel = self.cancel_event
-        self._run("download", lambda spec, progress: str(hub.download(spec, progress=progress, cancel=cancel)),
-                  row.file.spec)
+
+        def work(spec: str, progress) -> str:
+            return str(hub.download(spec, progress=progress, cancel=cancel))
+
+        self._run("download", work, row.file.spec)
 
     def cancel_download(self) -> None:
         if self.task_kind == "download" and self.cancel_event is not None:
@@ -347,7 +350,8 @@ class HubDialog(QDialog):
         if kind == "list":
             self._show_rows(result)
             n = len(result)
-            self._show_note(f"{self.repo}: {n} GGUF file{'s' if n != 1 else ''}. Select one and press Download.")
+            self._show_note(f"{self.repo}: {n} GGUF file{'s' if n != 1 else ''}. "
+                            "Select one and press Download.")
             self.listed.emit(result)
         else:
             row, self.downloading, self.cancel_event = self.downloading, None, None
@@ -376,7 +380,8 @@ class HubDialog(QDialog):
                 self.cancelled.emit()
             else:
                 resume = " The partial file is kept: Download resumes it." if partial else ""
-                self._show_error(f"Cannot download {row.file.name}: {self._gui_wording(failure.message)}{resume}")
+                reason = self._gui_wording(failure.message)
+                self._show_error(f"Cannot download {row.file.name}: {reason}{resume}")
         else:
             self._show_error(self._gui_wording(failure.message))
         self._update_buttons()
@@ -385,7 +390,8 @@ class HubDialog(QDialog):
     def _gui_wording(message: str) -> str:
         """The engine's messages name the command line's next step; here it is the Download button."""
         return (message.replace("; run the same command again to resume", "")
-                .replace(", run the command again to download it afresh", "; press Download to fetch it afresh")
+                .replace(", run the command again to download it afresh",
+                         "; press Download to fetch it afresh")
                 .replace(", run the command again", "; press Download to try again"))
 
     def _mark(self, row: FileRow | None, *, downloaded: str | None = None, partial: int = 0) -> None:

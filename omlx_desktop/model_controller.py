@@ -218,9 +218,9 @@ class ModelController(QObject):
         box = QMessageBox(QMessageBox.Icon.Warning, "Model does not fit in memory",
                           f"{name} probably does not fit in this computer's memory.", parent=self.w)
         box.setInformativeText(
-            f"It {_estimate_detail(check.summary)}.\n\nLoading it anyway may make the computer swap heavily "
-            "or the app be stopped by the system. A smaller context or a lower-bit KV setting "
-            "(KV cache panel), or a smaller quant of the model, needs less.\n\nLoad it anyway?")
+            f"It {_estimate_detail(check.summary)}.\n\nLoading it anyway may make the computer swap "
+            "heavily or the app be stopped by the system. A smaller context or a lower-bit KV "
+            "setting (KV cache panel), or a smaller quant of the model, needs less.\n\nLoad it anyway?")
         box.setStandardButtons(QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No)
         box.setDefaultButton(QMessageBox.StandardButton.No)
         box.button(QMessageBox.StandardButton.Yes).setText("Load anyway")
@@ -249,9 +249,9 @@ class ModelController(QObject):
         w.conversations.model_changed()
         w.update_buttons()
         if info.get("fit_verdict") == "tight":
-            w.show_error(f"Memory is tight for {info['name']}: it {_estimate_detail(info['fit_summary'])}. Answers may "
-                         "slow down if the system starts swapping; a smaller context or KV setting "
-                         "needs less.", "model")
+            w.show_error(f"Memory is tight for {info['name']}: it {_estimate_detail(info['fit_summary'])}. "
+                         "Answers may slow down if the system starts swapping; a smaller context or "
+                         "KV setting needs less.", "model")
         self.loaded.emit(info)
 
     def _load_ended(self) -> None:
