@@ -127,6 +127,7 @@ class HubDialog(QDialog):
         self.task = 0                       # the number of the current task
         self.task_kind: str | None = None   # "list" / "download" while one runs
         self.cancel_event: threading.Event | None = None
+        self.thread: threading.Thread | None = None     # the latest task's thread
         self.downloading: FileRow | None = None
         self.progress_seen: list[tuple[str, float]] = []
         self._relay = _Relay(self)
@@ -220,7 +221,8 @@ class HubDialog(QDialog):
             except RuntimeError:  # the dialog is gone (the app closed meanwhile)
                 pass
 
-        threading.Thread(target=body, name=f"omlx-hub-{kind}", daemon=True).start()
+        self.thread = threading.Thread(target=body, name=f"omlx-hub-{kind}", daemon=True)
+        self.thread.start()
         self._update_buttons()
         return task
 

@@ -205,6 +205,20 @@ def test_cancel_then_resume_with_progress_and_the_model_loads(window, standin, f
     assert window.model_info["fit_verdict"] == fit.FITS
 
 
+def test_closing_the_window_stops_a_download_and_keeps_its_partial_file(window, standin, files):
+    standin.throttle = 0.02
+    dialog = list_in_dialog(window, REPO)
+    select(dialog, SMOL_FILE)
+    dialog.close()  # closing the dialog hides it; the download goes on
+    dialog.download_button.click()
+    wait_until(lambda: any(f > 0.1 for _, f in dialog.progress_seen), TIMEOUT, "the download")
+    window.close()
+    dialog.thread.join(30)
+    assert not dialog.thread.is_alive()
+    (partial,) = leftovers(models_dir() / "hf" / REPO)
+    assert partial.name.endswith(".partial") and 0 < partial.stat().st_size < files["smol"].stat().st_size
+
+
 def test_corrupted_download_is_rejected_and_nothing_is_left(window, standin, files):
     standin.corrupt.add(TINY_FILE)
     dialog = list_in_dialog(window, TINY_REPO)
