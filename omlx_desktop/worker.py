@@ -21,15 +21,17 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal, Slot
 
 from engine.errors import OmlxError
+from engine.fit import DOES_NOT_FIT
 
 from .protocol import (
     AddDocument, Configure, DocumentAdded, DocumentFailed, DocumentInfo, DocumentPinned,
-    DocumentsChanged, Failure, FetchModel, KVApplied, LoadModel, ModelInfo, OpenConversation,
+    DocumentsChanged, Failure, FetchModel, FitCheck, KVApplied, LoadModel, ModelInfo, OpenConversation,
     RemoveDocument, SendMessage, SetPinned, Shutdown, TurnFailed, TurnFinished,
 )
 
@@ -84,6 +86,7 @@ class EngineWorker(QObject):
     loadProgress = Signal(str, float)
     loaded = Signal(object)                     # ModelInfo
     loadFailed = Signal(object)                 # Failure
+    loadNeedsConfirmation = Signal(object)      # FitCheck: does not fit, not loaded (force to load)
     # chat
     tokens = Signal(int, str)                   # request id, text since the last signal
     prefillProgress = Signal(int, int, int)     # request id, done, total
@@ -147,12 +150,20 @@ class EngineWorker(QObject):
         self.fetchFinished.emit(str(path))
 
     def load(self, request: LoadModel) -> None:
-        from engine.engine import load_engine
+        from engine.catalog import resolve_model
+        from engine.engine import Engine
         from engine.errors import SettingsError
 
         try:
-            engine = load_engine(request.spec, fetch_missing=False,
-                                 progress=lambda s, f: self.loadProgress.emit(s, float(f)))
+            path = resolve_model(request.spec, fetch_missing=False)
+            estimate = self._fit_estimate(path)
+            if estimate is not None and estimate.verdict == DOES_NOT_FIT and not request.force:
+                log.info("%s does not fit: %s", path, estimate.summary())
+                self.loadNeedsConfirmation.emit(FitCheck(
+                    request.spec, str(path), estimate.verdict, estimate.summary(),
+                    estimate.total_bytes, estimate.available_bytes))
+                return
+            engine = Engine.load(path, progress=lambda s, f: self.loadProgress.emit(s, float(f)))
             if self.spec:
                 try:
                     engine.set_kv(self.spec)
@@ -170,7 +181,25 @@ class EngineWorker(QObject):
         self.engine = engine
         self.conv = None
         self.kv.publish(0, 0)
-        self.loaded.emit(self._model_info())
+        info = self._model_info()
+        if estimate is not None:
+            info = replace(info, fit_verdict=estimate.verdict, fit_summary=estimate.summary())
+        self.loaded.emit(info)
+
+    def _fit_estimate(self, path):
+        """engine.fit's estimate for ``path`` at the wanted context and KV setting (None if the
+        estimate itself fails: the load then reports what is wrong with the file)."""
+        from engine import fit
+        from engine.errors import SettingsError
+
+        try:
+            try:
+                return fit.estimate_file(path, self.ctx, self.spec)
+            except SettingsError:  # a KV setting for another model's layers: the default's estimate
+                return fit.estimate_file(path, self.ctx, None)
+        except Exception as exc:
+            log.info("no memory estimate for %s: %s", path, exc)
+            return None
 
     def _model_info(self) -> ModelInfo:
         e = self.engine
