@@ -178,11 +178,17 @@ def estimate_file(path, ctx: int | None = None, kv=None, available: int | None =
         gguf.close()
 
 
+def download_estimate(file_size: int) -> int:
+    """Bytes a model of `file_size` needs, when only the file's size is known (before a
+    download): the weights and the runtime, with a quarter of the file again for KV, tokenizer
+    and prefill at a modest context."""
+    return RUNTIME_BYTES + int(file_size * 1.25)
+
+
 def download_verdict(file_size: int, available: int | None = None) -> str:
-    """A verdict before a download, when only the file's size is known: the weights and the
-    runtime, with a quarter of the file again for KV, tokenizer and prefill at a modest context."""
+    """The verdict of download_estimate(file_size) against `available` (default: now)."""
     available = available_bytes() if available is None else available
-    return verdict(RUNTIME_BYTES + int(file_size * 1.25), available)
+    return verdict(download_estimate(file_size), available)
 
 
 def check_fits(path, ctx: int | None = None, kv=None, *, force: bool = False) -> FitEstimate:

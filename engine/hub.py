@@ -365,8 +365,8 @@ def _progress_bar_class(name: str, total: int, on_fraction: Callable[[float], No
     return _Bar
 
 
-def _partial_path(folder: Path, part: HubPart) -> Path:
-    """The resumable partial file of ``part``: named by the expected checksum, so a file that
+def partial_path(folder: Path, part: HubPart) -> Path:
+    """The resumable partial file of ``part`` in ``folder`` (``local_path(...).parent``): named by the expected checksum, so a file that
     changed on the Hub never resumes from the old version's bytes."""
     tag = (part.sha256 or part.git_sha1 or f"size{part.size}")[:16]
     return folder / f".{Path(part.name).name}.{tag}.partial"
@@ -399,7 +399,7 @@ def _download_part(repo: str, commit: str | None, part: HubPart, folder: Path, r
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    partial = _partial_path(folder, part)
+    partial = partial_path(folder, part)
     have = partial.stat().st_size if partial.exists() else 0
     if have > part.size:  # longer than the file: not a prefix of it
         partial.unlink()

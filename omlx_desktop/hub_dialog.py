@@ -80,7 +80,7 @@ def _partial_bytes(f: hub.HubFile) -> int:
     folder = hub.local_path(f.repo, f).parent
     total = 0
     for part in f.parts:
-        path = hub._partial_path(folder, part)
+        path = hub.partial_path(folder, part)
         if path.is_file():
             total += path.stat().st_size
     return total
@@ -93,9 +93,7 @@ def list_rows(repo: str) -> list[FileRow]:
     rows = []
     for f in listing.files:
         found = hub.find_downloaded(repo, f.name)
-        # as fit.download_verdict weighs it: runtime + the file + a quarter again for KV and prefill
-        estimate = fit.RUNTIME_BYTES + int(f.size * 1.25)
-        rows.append(FileRow(f, fit.download_verdict(f.size, available), estimate, available,
+        rows.append(FileRow(f, fit.download_verdict(f.size, available), fit.download_estimate(f.size), available,
                             str(found) if found else None, 0 if found else _partial_bytes(f)))
     return rows
 

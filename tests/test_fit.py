@@ -92,13 +92,13 @@ def test_info_prints_the_verdict(smollm2_path):
 def test_loading_a_model_that_does_not_fit_needs_force(smollm2_path):
     args = ("generate", SMOL, "--prompt", "Hello", "--max-tokens", "2")
     refused = omlx(*args, env={fit.MEMORY_LIMIT_ENV: "150M"})
-    assert refused.returncode == 2 and refused.stdout == ""
-    assert "does not fit" in refused.stderr and "--force" in refused.stderr
+    assert refused.returncode == 2 and refused.stdout == "", (refused.returncode, refused.stdout, refused.stderr)
+    assert "does not fit" in refused.stderr and "--force" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
     forced = omlx(*args, "--force", env={fit.MEMORY_LIMIT_ENV: "150M"})
     assert forced.returncode == 0, forced.stderr
-    assert forced.stdout.strip()
-    assert "does not fit" in forced.stderr  # said, then loaded anyway
+    assert forced.stdout.strip(), forced.stderr
+    assert "does not fit" in forced.stderr, forced.stderr  # said, then loaded anyway
 
 
 @pytest.mark.parametrize("name, n_tokens, kv", [(SMOL, 64, "full"), (SMOL, 2048, "balanced"), ("gemma3-270m", 1024, "balanced")])
