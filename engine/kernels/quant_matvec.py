@@ -68,6 +68,7 @@ from numba.extending import intrinsic
 
 from .vector_ir import (
     F32,
+    I8,
     I16,
     I32,
     LANES,
@@ -180,6 +181,68 @@ def _dec_q6_k(v, blk):
     return out
 
 
+def _dec_q2_k(v, blk):
+    d = v.f16(v.u16s(blk, 80))
+    dmin = v.f16(v.u16s(blk, 82))
+    out = []
+    for h in range(2):
+        for j in range(4):
+            for half in range(2):
+                s = 8 * h + 2 * j + half  # the 16-value sub-block of values 128h + 32j + 16half ..
+                sc = v.u8s(blk, s)
+                dl = v.b.fmul(d, v.sf(v.and_(sc, 15)))
+                ml = v.b.fmul(dmin, v.sf(v.shr(sc, 4)))
+                q = v.and_(v.shr(v.u8(blk, 16 + 32 * h + 16 * half), 2 * j), 3)
+                out.append(v.fsub(v.fmul(v.sf(q), dl), ml))
+    return out
+
+
+def _dec_q3_k(v, blk):
+    d = v.f16(v.u16s(blk, 108))
+    out = []
+    for h in range(2):
+        for j in range(4):
+            for half in range(2):
+                s = 8 * h + 2 * j + half  # as Q2_K
+                lo = v.and_(v.shr(v.u8s(blk, 96 + s % 8), 4 * (s // 8)), 15)
+                hi = v.and_(v.shr(v.u8s(blk, 104 + s % 4), 2 * (s // 4)), 3)
+                dl = v.b.fmul(d, v.sf(v.sub(v.or_(lo, v.shl(hi, 4)), 32)))
+                ql = v.and_(v.shr(v.u8(blk, 32 + 32 * h + 16 * half), 2 * j), 3)
+                hbit = v.and_(v.shr(v.u8(blk, 16 * half), 4 * h + j), 1)
+                q = v.sub(v.b.add(ql, v.shl(hbit, 2)), 4)  # ql - 4 where the hmask bit is clear
+                out.append(v.fmul(v.sf(q), dl))
+    return out
+
+
+# IQ4_NL's and IQ4_XS's 4-bit code book (gguf.quants.IQ4_NL.kvalues)
+_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_codes(v, blk, off):
+    """The code-book values of 16 bytes of nibbles at off: (low nibbles, high nibbles) as i32 lanes."""
+    q = v.load(blk, off, vector_type(I8, LANES))
+    i32s = vector_type(I32, LANES)
+    return (v.b.sext(v.lookup16(_IQ4_VALUES, v.and_(q, 15)), i32s),
+            v.b.sext(v.lookup16(_IQ4_VALUES, v.shr(q, 4)), i32s))
+
+
+def _dec_iq4_nl(v, blk):
+    d = v.f16(v.u16s(blk, 0))
+    return [v.fmul(v.sf(c), d) for c in _iq4_codes(v, blk, 2)]
+
+
+def _dec_iq4_xs(v, blk):
+    d = v.f16(v.u16s(blk, 0))
+    scales_h = v.u16s(blk, 2)
+    out = []
+    for s in range(8):
+        lo = v.and_(v.shr(v.u8s(blk, 4 + s // 2), 4 * (s % 2)), 15)
+        hi = v.and_(v.shr(scales_h, 2 * s), 3)
+        dl = v.b.fmul(d, v.sf(v.sub(v.or_(lo, v.shl(hi, 4)), 32)))
+        out.extend(v.fmul(v.sf(c), dl) for c in _iq4_codes(v, blk, 8 + 16 * s))
+    return out
+
+
 def _dec_bf16(v, blk):
     h = v.b.zext(v.load(blk, 0, vector_type(I16, LANES)), vector_type(I32, LANES))
     return [v.b.bitcast(v.shl(h, 16), vector_type(F32, LANES))]
@@ -197,6 +260,10 @@ _DECODERS = {
     QT.Q6_K: (_dec_q6_k, 256, 210),
     QT.F16: (decode_f16, 16, 32),
     QT.BF16: (_dec_bf16, 16, 32),
+    QT.Q2_K: (_dec_q2_k, 256, 84),
+    QT.Q3_K: (_dec_q3_k, 256, 110),
+    QT.IQ4_NL: (_dec_iq4_nl, 32, 18),
+    QT.IQ4_XS: (_dec_iq4_xs, 256, 136),
 }
 
 
@@ -215,6 +282,10 @@ _dot_q5_k = make_row_dot(*_DECODERS[QT.Q5_K])
 _dot_q6_k = make_row_dot(*_DECODERS[QT.Q6_K])
 _dot_f16 = make_row_dot(*_DECODERS[QT.F16])
 _dot_bf16 = make_row_dot(*_DECODERS[QT.BF16])
+_dot_q2_k = make_row_dot(*_DECODERS[QT.Q2_K])
+_dot_q3_k = make_row_dot(*_DECODERS[QT.Q3_K])
+_dot_iq4_nl = make_row_dot(*_DECODERS[QT.IQ4_NL])
+_dot_iq4_xs = make_row_dot(*_DECODERS[QT.IQ4_XS])
 
 _deq_q8_0 = make_row_dequantize(*_DECODERS[QT.Q8_0])
 _deq_q4_0 = make_row_dequantize(*_DECODERS[QT.Q4_0])
@@ -226,6 +297,10 @@ _deq_q5_k = make_row_dequantize(*_DECODERS[QT.Q5_K])
 _deq_q6_k = make_row_dequantize(*_DECODERS[QT.Q6_K])
 _deq_f16 = make_row_dequantize(*_DECODERS[QT.F16])
 _deq_bf16 = make_row_dequantize(*_DECODERS[QT.BF16])
+_deq_q2_k = make_row_dequantize(*_DECODERS[QT.Q2_K])
+_deq_q3_k = make_row_dequantize(*_DECODERS[QT.Q3_K])
+_deq_iq4_nl = make_row_dequantize(*_DECODERS[QT.IQ4_NL])
+_deq_iq4_xs = make_row_dequantize(*_DECODERS[QT.IQ4_XS])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,9 +450,65 @@ def _dq_bf16(raw, rows, out):
         _deq_bf16(raw[rows[i]], out[i])
 
 
+@njit(nogil=True, cache=True)
+def _rows_q2_k(raw, x, y, r0, r1, yoff):
+    for r in range(r0, r1):
+        row = raw[r]
+        for t in range(x.shape[0]):
+            y[t, r - yoff] = _dot_q2_k(row, x[t])
+
+
+@njit(nogil=True, cache=True)
+def _dq_q2_k(raw, rows, out):
+    for i in range(out.shape[0]):
+        _deq_q2_k(raw[rows[i]], out[i])
+
+
+@njit(nogil=True, cache=True)
+def _rows_q3_k(raw, x, y, r0, r1, yoff):
+    for r in range(r0, r1):
+        row = raw[r]
+        for t in range(x.shape[0]):
+            y[t, r - yoff] = _dot_q3_k(row, x[t])
+
+
+@njit(nogil=True, cache=True)
+def _dq_q3_k(raw, rows, out):
+    for i in range(out.shape[0]):
+        _deq_q3_k(raw[rows[i]], out[i])
+
+
+@njit(nogil=True, cache=True)
+def _rows_iq4_nl(raw, x, y, r0, r1, yoff):
+    for r in range(r0, r1):
+        row = raw[r]
+        for t in range(x.shape[0]):
+            y[t, r - yoff] = _dot_iq4_nl(row, x[t])
+
+
+@njit(nogil=True, cache=True)
+def _dq_iq4_nl(raw, rows, out):
+    for i in range(out.shape[0]):
+        _deq_iq4_nl(raw[rows[i]], out[i])
+
+
+@njit(nogil=True, cache=True)
+def _rows_iq4_xs(raw, x, y, r0, r1, yoff):
+    for r in range(r0, r1):
+        row = raw[r]
+        for t in range(x.shape[0]):
+            y[t, r - yoff] = _dot_iq4_xs(row, x[t])
+
+
+@njit(nogil=True, cache=True)
+def _dq_iq4_xs(raw, rows, out):
+    for i in range(out.shape[0]):
+        _deq_iq4_xs(raw[rows[i]], out[i])
+
+
 # kind codes of the work-sharing pool's job descriptor
 _KIND = {t: i for i, t in enumerate([QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K,
-                                     QT.F16, QT.BF16])}
+                                     QT.F16, QT.BF16, QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS])}
 
 
 @njit(nogil=True, cache=True)
@@ -402,6 +533,14 @@ def _rows_any(kind, raw, x, y, r0, r1, yoff):
         _rows_f16(raw, x, y, r0, r1, yoff)
     elif kind == 9:
         _rows_bf16(raw, x, y, r0, r1, yoff)
+    elif kind == 10:
+        _rows_q2_k(raw, x, y, r0, r1, yoff)
+    elif kind == 11:
+        _rows_q3_k(raw, x, y, r0, r1, yoff)
+    elif kind == 12:
+        _rows_iq4_nl(raw, x, y, r0, r1, yoff)
+    elif kind == 13:
+        _rows_iq4_xs(raw, x, y, r0, r1, yoff)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -827,6 +966,10 @@ _KERNELS = {
     QT.Q6_K: (_rows_q6_k, _dq_q6_k),
     QT.F16: (_rows_f16, _dq_f16),
     QT.BF16: (_rows_bf16, _dq_bf16),
+    QT.Q2_K: (_rows_q2_k, _dq_q2_k),
+    QT.Q3_K: (_rows_q3_k, _dq_q3_k),
+    QT.IQ4_NL: (_rows_iq4_nl, _dq_iq4_nl),
+    QT.IQ4_XS: (_rows_iq4_xs, _dq_iq4_xs),
 }
 TYPES = frozenset(_KERNELS)
 
