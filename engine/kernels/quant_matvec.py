@@ -16,7 +16,8 @@ as LLVM vector IR (numba `@intrinsic`, in `engine.kernels.vector_ir`'s vocabular
 per type that turns a block's bytes into <16 x float> vectors of dequantized values:
 
     load the block's code bytes as one vector (16 or 32 bytes) -> zero/sign-extend to i32 lanes ->
-    shift / mask / or in high bits -> int-to-float -> d * q (+ m)
+    shift / mask / or in high bits (or look 4-bit codes up in a code book) -> int-to-float ->
+    d * q (+ m)
 
 with the block's float16 scale fields converted exactly (F16C `vcvtph2ps` when the CPU has it,
 else integer operations) and applied as in `gguf.quants`: same
@@ -43,6 +44,15 @@ Row layouts (little-endian; d, m, dmin float16; see ggml-common.h / gguf.quants)
                       128 B nibbles as Q4_K                       w = (d*sc)*q - dmin*mn
     Q6_K 210 B / 256: 128 B ql nibbles | 64 B qh 2-bit pairs | 16 x int8 scales | d
                       w = (d*sc)*(q-32)
+    Q2_K  84 B / 256: 16 B scales (per 16-value sub-block: lo nibble sc, hi nibble mn) |
+                      64 B 2-bit codes (32 B per 128 values: bits 2j..2j+1 of byte k -> value
+                      32j + k) | d | dmin                          w = (d*sc)*q - dmin*mn
+    Q3_K 110 B / 256: 32 B hmask (bit b of byte k: value 32b + k; clear means q - 4) | 64 B 2-bit
+                      codes as Q2_K | 12 B 6-bit scales (minus 32) | d     w = (d*sc)*q
+    IQ4_NL 18 B / 32: d | 16 B nibbles as Q4_0, indices into a 16-value int8 code book kv
+                      w = d*kv[q]
+    IQ4_XS 136 B / 256: d | u16 high 2 bits of 8 scales | 4 B low nibbles of the scales |
+                      128 B nibbles (16 B per 32-value sub-block, as IQ4_NL)   w = (d*(sc-32))*kv[q]
     F16 / BF16: 16-value groups of 2-byte values (rows must be a multiple of 16 values).
 
 Compiled code is cached on disk by numba (`cache=True`); `warm_up(types)` loads or compiles the
