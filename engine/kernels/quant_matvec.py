@@ -191,36 +191,53 @@ def _dec_q6_k(v, blk):
     return out
 
 
+def _bytes(v, blk, off):
+    """LANES bytes at off as an i8 vector (bit fields are cut out before widening to i32 lanes)."""
+    return v.load(blk, off, vector_type(I8, LANES))
+
+
+def _broadcast(v, vec, lane):
+    """Lane `lane` of vec in every one of LANES lanes."""
+    return v.b.shuffle_vector(vec, vec, v.civ([lane] * LANES))
+
+
 def _dec_q2_k(v, blk):
     d = v.f16(v.u16s(blk, 80))
     dmin = v.f16(v.u16s(blk, 82))
+    sc = v.u8(blk, 0)  # the 16 sub-blocks' scale bytes, converted as one vector
+    dl = v.fmul(v.sf(v.and_(sc, 15)), d)
+    ml = v.fmul(v.sf(v.shr(sc, 4)), dmin)
     out = []
     for h in range(2):
         for j in range(4):
             for half in range(2):
                 s = 8 * h + 2 * j + half  # the 16-value sub-block of values 128h + 32j + 16half ..
-                sc = v.u8s(blk, s)
-                dl = v.b.fmul(d, v.sf(v.and_(sc, 15)))
-                ml = v.b.fmul(dmin, v.sf(v.shr(sc, 4)))
-                q = v.and_(v.shr(v.u8(blk, 16 + 32 * h + 16 * half), 2 * j), 3)
-                out.append(v.fsub(v.fmul(v.sf(q), dl), ml))
+                q = v.and_(v.shr(_bytes(v, blk, 16 + 32 * h + 16 * half), 2 * j), 3)
+                q = v.b.zext(q, vector_type(I32, LANES))
+                out.append(v.fsub(v.fmul(v.sf(q), _broadcast(v, dl, s)), _broadcast(v, ml, s)))
     return out
 
 
 def _dec_q3_k(v, blk):
     d = v.f16(v.u16s(blk, 108))
+    # sub-block s's 6-bit scale: low 4 bits from byte s % 8 (shifted 4 * (s // 8)), high 2 bits
+    # from byte 8 + s % 4 (shifted 2 * (s // 4)) of the 12 scale bytes at 96
+    lo = v.b.shuffle_vector(v.u8(blk, 96, 8), v.u8(blk, 96, 8), v.civ(list(range(8)) * 2))
+    lo = v.and_(v.b.lshr(lo, v.civ([0] * 8 + [4] * 8)), 15)
+    hi = v.b.shuffle_vector(v.u8(blk, 104, 4), v.u8(blk, 104, 4), v.civ(list(range(4)) * 4))
+    hi = v.and_(v.b.lshr(hi, v.civ([0] * 4 + [2] * 4 + [4] * 4 + [6] * 4)), 3)
+    dl = v.fmul(v.sf(v.sub(v.b.or_(lo, v.shl(hi, 4)), 32)), d)
     out = []
     for h in range(2):
         for j in range(4):
             for half in range(2):
                 s = 8 * h + 2 * j + half  # as Q2_K
-                lo = v.and_(v.shr(v.u8s(blk, 96 + s % 8), 4 * (s // 8)), 15)
-                hi = v.and_(v.shr(v.u8s(blk, 104 + s % 4), 2 * (s // 4)), 3)
-                dl = v.b.fmul(d, v.sf(v.sub(v.or_(lo, v.shl(hi, 4)), 32)))
                 ql = v.and_(v.shr(v.u8(blk, 32 + 32 * h + 16 * half), 2 * j), 3)
-                hbit = v.and_(v.shr(v.u8(blk, 16 * half), 4 * h + j), 1)
-                q = v.sub(v.b.add(ql, v.shl(hbit, 2)), 4)  # ql - 4 where the hmask bit is clear
-                out.append(v.fmul(v.sf(q), dl))
+                b = 4 * h + j  # hmask bit b, moved to bit 2 (value 4)
+                hm = v.u8(blk, 16 * half)
+                h4 = v.and_(v.shr(hm, b - 2) if b >= 2 else v.shl(hm, 2 - b), 4)
+                q = v.sub(v.b.or_(ql, h4), 4)  # ql - 4 where the hmask bit is clear
+                out.append(v.fmul(v.sf(q), _broadcast(v, dl, s)))
     return out
 
 
