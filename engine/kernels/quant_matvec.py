@@ -247,7 +247,7 @@ _IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 
 
 def _iq4_codes(v, blk, off):
     """The code-book values of 16 bytes of nibbles at off: (low nibbles, high nibbles) as i32 lanes."""
-    q = v.load(blk, off, vector_type(I8, LANES))
+    q = _bytes(v, blk, off)
     i32s = vector_type(I32, LANES)
     return (v.b.sext(v.lookup16(_IQ4_VALUES, v.and_(q, 15)), i32s),
             v.b.sext(v.lookup16(_IQ4_VALUES, v.shr(q, 4)), i32s))
