@@ -260,13 +260,15 @@ def _dec_iq4_nl(v, blk):
 
 def _dec_iq4_xs(v, blk):
     d = v.f16(v.u16s(blk, 0))
-    scales_h = v.u16s(blk, 2)
+    # the 8 sub-blocks' 6-bit scales as one vector: low 4 bits the nibbles of the bytes at 4 (low
+    # nibble first), high 2 bits bits 2s..2s+1 of the u16 at 2
+    lo = v.b.shuffle_vector(v.u8(blk, 4, 4), v.u8(blk, 4, 4), v.civ([0, 0, 1, 1, 2, 2, 3, 3]))
+    lo = v.and_(v.b.lshr(lo, v.civ([0, 4] * 4)), 15)
+    hi = v.and_(v.b.lshr(v.splat(v.u16s(blk, 2), 8), v.civ(range(0, 16, 2))), 3)
+    dl = v.fmul(v.sf(v.sub(v.b.or_(lo, v.shl(hi, 4)), 32)), d)
     out = []
     for s in range(8):
-        lo = v.and_(v.shr(v.u8s(blk, 4 + s // 2), 4 * (s % 2)), 15)
-        hi = v.and_(v.shr(scales_h, 2 * s), 3)
-        dl = v.b.fmul(d, v.sf(v.sub(v.or_(lo, v.shl(hi, 4)), 32)))
-        out.extend(v.fmul(v.sf(c), dl) for c in _iq4_codes(v, blk, 8 + 16 * s))
+        out.extend(v.fmul(v.sf(c), _broadcast(v, dl, s)) for c in _iq4_codes(v, blk, 8 + 16 * s))
     return out
 
 
