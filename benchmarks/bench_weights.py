@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_weights.py [--models NAME ...] [--context 512] [--decode 32]
                                                   [--rounds 3]
+    .venv/bin/python benchmarks/bench_weights.py --kernels [--mib 64] [--rounds 5]
 
 For each model and backend (OMLX_WEIGHTS=dense / quant) a fresh worker process loads the engine
 (kv="full", llama.cpp's figures are with its f16 cache), prefills `context` tokens, then decodes
@@ -12,6 +13,12 @@ loading the model and after the run (quantized weights are file pages of the mem
 once read). Decode time is also split into the linear layers (matvecs, incl. the output
 projection) and the rest (attention, norms, sampling), and the average CPU use of other processes
 during the run is printed (this machine is shared; their load changes the figures a lot).
+
+--kernels instead times the quantized-weight kernels per GGUF type on one (rows, 4096) matrix of
+about `mib` MiB of blocks each (random codes, scales ~0.01): the fused matvec (one row of x) on the
+calling thread alone and shared with the pool (OMLX_KERNEL_THREADS threads), as GB/s of blocks
+read, and the prefill tile dequantizer (one thread) as G values/s; types interleaved per round,
+medians over rounds.
 """
 
 from __future__ import annotations
@@ -107,14 +114,79 @@ def run_worker(model: str, backend: str, context: int, n_decode: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# types timed by --kernels, and the byte offsets of the float16 scale fields in one block of each
+KERNEL_TYPES = {
+    "F16": (), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,),
+}
+
+
+def kernel_table(mib: int, rounds: int) -> None:
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.constants import GGMLQuantizationType as QT
+
+    from engine.kernels import quant_matvec as qm
+
+    cols, tile_rows = 4096, 256
+    rng = np.random.default_rng(0)
+    cases = {}
+    for name, scale_offsets in KERNEL_TYPES.items():
+        qtype = QT[name]
+        block, size = GGML_QUANT_SIZES[qtype]
+        row_bytes = cols // block * size
+        rows = max(tile_rows, (mib << 20) // row_bytes // 16 * 16)
+        raw = rng.integers(0, 256, size=(rows, row_bytes), dtype=np.uint8)
+        if qtype == QT.F16:
+            raw[:] = rng.normal(0, 0.02, (rows, cols)).astype(np.float16).view(np.uint8)
+        blocks = raw.reshape(rows, -1, size)
+        for off in scale_offsets:
+            blocks[..., off : off + 2] = np.array([0.01], np.float16).view(np.uint8)
+        qm.warm_up([qtype])
+        mv = qm.Matvec(qtype, raw, cols)
+        cases[name] = (qtype, raw, mv)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    tile = np.empty((tile_rows, cols), np.float32)
+    times: dict[str, dict[str, list[float]]] = {n: {"one": [], "pool": [], "tile": []} for n in cases}
+    for _ in range(rounds):
+        for name, (qtype, raw, mv) in cases.items():
+            out = np.empty((1, raw.shape[0]), np.float32)
+            t0 = time.perf_counter()
+            mv.rows_fn(mv.raw, x, out, 0, mv.n_rows, 0)
+            times[name]["one"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            mv(x, out)
+            times[name]["pool"].append(time.perf_counter() - t0)
+            ids = np.arange(tile_rows)
+            t0 = time.perf_counter()
+            for start in range(0, raw.shape[0] - tile_rows + 1, tile_rows):
+                qm.dequantize_rows(qtype, raw, ids + start, tile)
+            times[name]["tile"].append(time.perf_counter() - t0)
+    print(f"fused kernels, (rows, {cols}) matrices of ~{mib} MiB of blocks, median of {rounds} rounds, "
+          f"{qm.kernel_threads()} kernel threads")
+    print(f"{'type':7s} {'B/value':>7s} {'matvec 1 thread GB/s':>20s} {'matvec pool GB/s':>16s} "
+          f"{'tile dequantize Gvalues/s':>25s}")
+    for name, (qtype, raw, mv) in cases.items():
+        med = {k: float(np.median(v)) for k, v in times[name].items()}
+        n_tiled = raw.shape[0] // tile_rows * tile_rows
+        print(f"{name:7s} {raw.shape[1] / cols:7.4f} {raw.nbytes / med['one'] / 1e9:20.2f} "
+              f"{raw.nbytes / med['pool'] / 1e9:16.2f} {n_tiled * cols / med['tile'] / 1e9:25.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma3-270m"])
     parser.add_argument("--context", type=int, default=512, help="prompt tokens prefilled")
     parser.add_argument("--decode", type=int, default=32, help="tokens decoded after the prompt")
     parser.add_argument("--rounds", type=int, default=3, help="runs per backend, interleaved")
+    parser.add_argument("--kernels", action="store_true", help="time the kernels per tensor type instead")
+    parser.add_argument("--mib", type=int, default=64, help="MiB of blocks per matrix (--kernels)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+
+    if args.kernels:
+        kernel_table(args.mib, args.rounds)
+        return
 
     if args.worker:
         print(json.dumps(worker(args.worker, args.context, args.decode)))

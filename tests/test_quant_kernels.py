@@ -17,7 +17,8 @@ from engine import weights
 from engine.gguf_file import GGUFFile
 from engine.kernels import quant_matvec as qm
 
-ALL_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16, QT.BF16]
+ALL_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16, QT.BF16,
+             QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]
 GGUF_QUANTIZES = {QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.F16, QT.BF16}
 RTOL = 1e-5
 
@@ -25,6 +26,7 @@ RTOL = 1e-5
 F16_FIELDS = {
     QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2),
     QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
+    QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.IQ4_NL: (0,), QT.IQ4_XS: (0,),
 }
 
 
@@ -258,6 +260,57 @@ def test_weight_store_backends(smollm2_path, monkeypatch):
     assert isinstance(store.linear("blk.0.ffn_up.weight", *info.shape), weights.DenseLinear)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS], ids=lambda t: t.name)
+def test_tiny_model_of_a_fused_type_runs_from_its_blocks(qtype, tmp_path, monkeypatch):
+    """A model whose matrices are all of a type with fused kernels keeps every matrix as the
+    file's blocks (no float32 copy), and its logits, decode (matvec) and prefill (dequantized
+    tiles), equal those of the dense path (gguf's dequantized values, BLAS)."""
+    from engine.models import load_model
+
+    from .tiny_gguf import write_tiny_model
+    from .tiny_variants import BLOCK_FRIENDLY, rewrite
+
+    src = write_tiny_model(tmp_path / "f32.gguf", **BLOCK_FRIENDLY)
+    path = rewrite(src, tmp_path / f"{qtype.name}.gguf", matrix_type=qtype, seed=qtype.value)
+    ids = np.arange(3, 23)
+    logits = {}
+    for backend in ("quant", "dense"):
+        monkeypatch.setenv(weights.BACKEND_ENV, backend)
+        g = GGUFFile(path)
+        model = load_model(g)
+        linears = {"token_embd.weight": model.token_embd.as_linear()}
+        if "output.weight" in g.tensors:
+            linears["output.weight"] = model.lm_head
+        for i, block in enumerate(model.layers):
+            for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+                linears[f"blk.{i}.{name}.weight"] = getattr(block.attention, name)
+            for name in ("ffn_gate", "ffn_up", "ffn_down"):
+                linears[f"blk.{i}.{name}.weight"] = getattr(block.mlp, name)
+        assert set(linears) == {i.name for i in g.tensors.values() if len(i.shape) == 2}
+        for name, lin in linears.items():
+            if backend == "quant":  # the file's own blocks: a view of the memory map, no copy
+                raw = g.raw(name)
+                assert isinstance(lin, weights.QuantLinear) and lin.ggml_type == qtype, name
+                assert lin.raw.shape == raw.shape and np.shares_memory(lin.raw, raw), name
+            else:
+                assert isinstance(lin, weights.DenseLinear), name
+        if backend == "quant":
+            assert model.token_embd.table is None  # lookups dequantize rows of the blocks
+        cache = model.new_cache()
+        prefill = model.forward(ids, cache, "all")
+        cache = model.new_cache()
+        decode = np.concatenate([model.forward(ids[i : i + 1], cache, "last") for i in range(len(ids))])
+        logits[backend] = prefill, decode
+    scale = np.abs(logits["dense"][0]).max()
+    assert scale > 1e-3
+    (prefill_q, decode_q), (prefill_d, decode_d) = logits["quant"], logits["dense"]
+    # prefill: the tiles are the dense weights bit for bit, multiplied by the same BLAS call
+    assert np.abs(prefill_q - prefill_d).max() <= 1e-6 * scale
+    # decode: the fused dot products sum in another order; the cache rounds K and V to float16,
+    # where a last-bit difference can become one float16 ulp (2**-11 relative) of a stored value
+    assert np.abs(decode_q - decode_d).max() <= 1e-3 * scale
+
+
 def test_warm_up_logs(caplog):
     import logging
 
@@ -396,6 +449,40 @@ def test_float16_conversion_without_f16c(monkeypatch):
     out = np.empty((16, 256), np.float32)
     run_q4_1(raw, out)
     np.testing.assert_array_equal(bits(out), bits(reference(raw, QT.Q4_1)))
+
+
+@pytest.mark.parametrize("lookup", ["select", "pshufb", "tbl"])
+def test_code_book_lookup_on_every_target(monkeypatch, lookup):
+    """IQ4_NL / IQ4_XS decode their 4-bit codes through a 16-entry table (`VectorIR.lookup16`):
+    pshufb on x86, tbl on arm, a tree of lane selects elsewhere. Each way this machine can run is
+    compiled here, uncached, and must reproduce gguf's values bit for bit for every code."""
+    import platform
+
+    from numba import njit
+
+    from engine.kernels import vector_ir
+
+    machine = platform.machine().lower()
+    runs_here = {"select": True, "pshufb": machine in ("x86_64", "amd64") and vector_ir._target_has("ssse3"),
+                 "tbl": machine in ("arm64", "aarch64") and vector_ir._target_has("neon")}
+    if not runs_here[lookup]:
+        pytest.skip(f"{lookup} is not an instruction of this CPU")
+    monkeypatch.setattr(vector_ir, "_BYTE_TABLE_LOOKUP", lookup)
+    for qtype in (QT.IQ4_NL, QT.IQ4_XS):
+        deq = vector_ir.make_row_dequantize(*qm._DECODERS[qtype])
+
+        @njit
+        def run(raw, out):
+            for i in range(out.shape[0]):
+                deq(raw[i], out[i])
+
+        raw = make(qtype, "random", 8, 512, seed=21)
+        block, size = GGML_QUANT_SIZES[qtype]
+        codes = raw.reshape(-1, size)[:, size - block // 2:]  # the nibble bytes of every block
+        codes[0, :16] = np.arange(16, dtype=np.uint8) * 17  # both nibbles of a byte: every code once
+        out = np.empty((8, 512), np.float32)
+        run(raw, out)
+        np.testing.assert_array_equal(bits(out), bits(reference(raw, qtype)), err_msg=f"{lookup} {qtype.name}")
 
 
 def test_kernel_caches_depend_on_the_shared_vector_ir(monkeypatch):

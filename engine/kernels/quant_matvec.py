@@ -16,7 +16,8 @@ as LLVM vector IR (numba `@intrinsic`, in `engine.kernels.vector_ir`'s vocabular
 per type that turns a block's bytes into <16 x float> vectors of dequantized values:
 
     load the block's code bytes as one vector (16 or 32 bytes) -> zero/sign-extend to i32 lanes ->
-    shift / mask / or in high bits -> int-to-float -> d * q (+ m)
+    shift / mask / or in high bits (or look 4-bit codes up in a code book) -> int-to-float ->
+    d * q (+ m)
 
 with the block's float16 scale fields converted exactly (F16C `vcvtph2ps` when the CPU has it,
 else integer operations) and applied as in `gguf.quants`: same
@@ -43,6 +44,15 @@ Row layouts (little-endian; d, m, dmin float16; see ggml-common.h / gguf.quants)
                       128 B nibbles as Q4_K                       w = (d*sc)*q - dmin*mn
     Q6_K 210 B / 256: 128 B ql nibbles | 64 B qh 2-bit pairs | 16 x int8 scales | d
                       w = (d*sc)*(q-32)
+    Q2_K  84 B / 256: 16 B scales (per 16-value sub-block: lo nibble sc, hi nibble mn) |
+                      64 B 2-bit codes (32 B per 128 values: bits 2j..2j+1 of byte k -> value
+                      32j + k) | d | dmin                          w = (d*sc)*q - dmin*mn
+    Q3_K 110 B / 256: 32 B hmask (bit b of byte k: value 32b + k; clear means q - 4) | 64 B 2-bit
+                      codes as Q2_K | 12 B 6-bit scales (minus 32) | d     w = (d*sc)*q
+    IQ4_NL 18 B / 32: d | 16 B nibbles as Q4_0, indices into a 16-value int8 code book kv
+                      w = d*kv[q]
+    IQ4_XS 136 B / 256: d | u16 high 2 bits of 8 scales | 4 B low nibbles of the scales |
+                      128 B nibbles (16 B per 32-value sub-block, as IQ4_NL)   w = (d*(sc-32))*kv[q]
     F16 / BF16: 16-value groups of 2-byte values (rows must be a multiple of 16 values).
 
 Compiled code is cached on disk by numba (`cache=True`); `warm_up(types)` loads or compiles the
@@ -68,6 +78,7 @@ from numba.extending import intrinsic
 
 from .vector_ir import (
     F32,
+    I8,
     I16,
     I32,
     LANES,
@@ -180,6 +191,87 @@ def _dec_q6_k(v, blk):
     return out
 
 
+def _bytes(v, blk, off):
+    """LANES bytes at off as an i8 vector (bit fields are cut out before widening to i32 lanes)."""
+    return v.load(blk, off, vector_type(I8, LANES))
+
+
+def _broadcast(v, vec, lane):
+    """Lane `lane` of vec in every one of LANES lanes."""
+    return v.b.shuffle_vector(vec, vec, v.civ([lane] * LANES))
+
+
+def _dec_q2_k(v, blk):
+    d = v.f16(v.u16s(blk, 80))
+    dmin = v.f16(v.u16s(blk, 82))
+    sc = v.u8(blk, 0)  # the 16 sub-blocks' scale bytes, converted as one vector
+    dl = v.fmul(v.sf(v.and_(sc, 15)), d)
+    ml = v.fmul(v.sf(v.shr(sc, 4)), dmin)
+    out = []
+    for h in range(2):
+        for j in range(4):
+            for half in range(2):
+                s = 8 * h + 2 * j + half  # the 16-value sub-block of values 128h + 32j + 16half ..
+                q = v.and_(v.shr(_bytes(v, blk, 16 + 32 * h + 16 * half), 2 * j), 3)
+                q = v.b.zext(q, vector_type(I32, LANES))
+                out.append(v.fsub(v.fmul(v.sf(q), _broadcast(v, dl, s)), _broadcast(v, ml, s)))
+    return out
+
+
+def _dec_q3_k(v, blk):
+    d = v.f16(v.u16s(blk, 108))
+    # sub-block s's 6-bit scale: low 4 bits from byte s % 8 (shifted 4 * (s // 8)), high 2 bits
+    # from byte 8 + s % 4 (shifted 2 * (s // 4)) of the 12 scale bytes at 96
+    lo = v.b.shuffle_vector(v.u8(blk, 96, 8), v.u8(blk, 96, 8), v.civ(list(range(8)) * 2))
+    lo = v.and_(v.b.lshr(lo, v.civ([0] * 8 + [4] * 8)), 15)
+    hi = v.b.shuffle_vector(v.u8(blk, 104, 4), v.u8(blk, 104, 4), v.civ(list(range(4)) * 4))
+    hi = v.and_(v.b.lshr(hi, v.civ([0] * 4 + [2] * 4 + [4] * 4 + [6] * 4)), 3)
+    dl = v.fmul(v.sf(v.sub(v.b.or_(lo, v.shl(hi, 4)), 32)), d)
+    out = []
+    for h in range(2):
+        for j in range(4):
+            for half in range(2):
+                s = 8 * h + 2 * j + half  # as Q2_K
+                ql = v.and_(v.shr(v.u8(blk, 32 + 32 * h + 16 * half), 2 * j), 3)
+                b = 4 * h + j  # hmask bit b, moved to bit 2 (value 4)
+                hm = v.u8(blk, 16 * half)
+                h4 = v.and_(v.shr(hm, b - 2) if b >= 2 else v.shl(hm, 2 - b), 4)
+                q = v.sub(v.b.or_(ql, h4), 4)  # ql - 4 where the hmask bit is clear
+                out.append(v.fmul(v.sf(q), _broadcast(v, dl, s)))
+    return out
+
+
+# IQ4_NL's and IQ4_XS's 4-bit code book (gguf.quants.IQ4_NL.kvalues)
+_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_codes(v, blk, off):
+    """The code-book values of 16 bytes of nibbles at off: (low nibbles, high nibbles) as i32 lanes."""
+    q = _bytes(v, blk, off)
+    i32s = vector_type(I32, LANES)
+    return (v.b.sext(v.lookup16(_IQ4_VALUES, v.and_(q, 15)), i32s),
+            v.b.sext(v.lookup16(_IQ4_VALUES, v.shr(q, 4)), i32s))
+
+
+def _dec_iq4_nl(v, blk):
+    d = v.f16(v.u16s(blk, 0))
+    return [v.fmul(v.sf(c), d) for c in _iq4_codes(v, blk, 2)]
+
+
+def _dec_iq4_xs(v, blk):
+    d = v.f16(v.u16s(blk, 0))
+    # the 8 sub-blocks' 6-bit scales as one vector: low 4 bits the nibbles of the bytes at 4 (low
+    # nibble first), high 2 bits bits 2s..2s+1 of the u16 at 2
+    lo = v.b.shuffle_vector(v.u8(blk, 4, 4), v.u8(blk, 4, 4), v.civ([0, 0, 1, 1, 2, 2, 3, 3]))
+    lo = v.and_(v.b.lshr(lo, v.civ([0, 4] * 4)), 15)
+    hi = v.and_(v.b.lshr(v.splat(v.u16s(blk, 2), 8), v.civ(range(0, 16, 2))), 3)
+    dl = v.fmul(v.sf(v.sub(v.b.or_(lo, v.shl(hi, 4)), 32)), d)
+    out = []
+    for s in range(8):
+        out.extend(v.fmul(v.sf(c), _broadcast(v, dl, s)) for c in _iq4_codes(v, blk, 8 + 16 * s))
+    return out
+
+
 def _dec_bf16(v, blk):
     h = v.b.zext(v.load(blk, 0, vector_type(I16, LANES)), vector_type(I32, LANES))
     return [v.b.bitcast(v.shl(h, 16), vector_type(F32, LANES))]
@@ -197,6 +289,10 @@ _DECODERS = {
     QT.Q6_K: (_dec_q6_k, 256, 210),
     QT.F16: (decode_f16, 16, 32),
     QT.BF16: (_dec_bf16, 16, 32),
+    QT.Q2_K: (_dec_q2_k, 256, 84),
+    QT.Q3_K: (_dec_q3_k, 256, 110),
+    QT.IQ4_NL: (_dec_iq4_nl, 32, 18),
+    QT.IQ4_XS: (_dec_iq4_xs, 256, 136),
 }
 
 
@@ -215,6 +311,10 @@ _dot_q5_k = make_row_dot(*_DECODERS[QT.Q5_K])
 _dot_q6_k = make_row_dot(*_DECODERS[QT.Q6_K])
 _dot_f16 = make_row_dot(*_DECODERS[QT.F16])
 _dot_bf16 = make_row_dot(*_DECODERS[QT.BF16])
+_dot_q2_k = make_row_dot(*_DECODERS[QT.Q2_K])
+_dot_q3_k = make_row_dot(*_DECODERS[QT.Q3_K])
+_dot_iq4_nl = make_row_dot(*_DECODERS[QT.IQ4_NL])
+_dot_iq4_xs = make_row_dot(*_DECODERS[QT.IQ4_XS])
 
 _deq_q8_0 = make_row_dequantize(*_DECODERS[QT.Q8_0])
 _deq_q4_0 = make_row_dequantize(*_DECODERS[QT.Q4_0])
@@ -226,6 +326,10 @@ _deq_q5_k = make_row_dequantize(*_DECODERS[QT.Q5_K])
 _deq_q6_k = make_row_dequantize(*_DECODERS[QT.Q6_K])
 _deq_f16 = make_row_dequantize(*_DECODERS[QT.F16])
 _deq_bf16 = make_row_dequantize(*_DECODERS[QT.BF16])
+_deq_q2_k = make_row_dequantize(*_DECODERS[QT.Q2_K])
+_deq_q3_k = make_row_dequantize(*_DECODERS[QT.Q3_K])
+_deq_iq4_nl = make_row_dequantize(*_DECODERS[QT.IQ4_NL])
+_deq_iq4_xs = make_row_dequantize(*_DECODERS[QT.IQ4_XS])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,9 +479,65 @@ def _dq_bf16(raw, rows, out):
         _deq_bf16(raw[rows[i]], out[i])
 
 
+@njit(nogil=True, cache=True)
+def _rows_q2_k(raw, x, y, r0, r1, yoff):
+    for r in range(r0, r1):
+        row = raw[r]
+        for t in range(x.shape[0]):
+            y[t, r - yoff] = _dot_q2_k(row, x[t])
+
+
+@njit(nogil=True, cache=True)
+def _dq_q2_k(raw, rows, out):
+    for i in range(out.shape[0]):
+        _deq_q2_k(raw[rows[i]], out[i])
+
+
+@njit(nogil=True, cache=True)
+def _rows_q3_k(raw, x, y, r0, r1, yoff):
+    for r in range(r0, r1):
+        row = raw[r]
+        for t in range(x.shape[0]):
+            y[t, r - yoff] = _dot_q3_k(row, x[t])
+
+
+@njit(nogil=True, cache=True)
+def _dq_q3_k(raw, rows, out):
+    for i in range(out.shape[0]):
+        _deq_q3_k(raw[rows[i]], out[i])
+
+
+@njit(nogil=True, cache=True)
+def _rows_iq4_nl(raw, x, y, r0, r1, yoff):
+    for r in range(r0, r1):
+        row = raw[r]
+        for t in range(x.shape[0]):
+            y[t, r - yoff] = _dot_iq4_nl(row, x[t])
+
+
+@njit(nogil=True, cache=True)
+def _dq_iq4_nl(raw, rows, out):
+    for i in range(out.shape[0]):
+        _deq_iq4_nl(raw[rows[i]], out[i])
+
+
+@njit(nogil=True, cache=True)
+def _rows_iq4_xs(raw, x, y, r0, r1, yoff):
+    for r in range(r0, r1):
+        row = raw[r]
+        for t in range(x.shape[0]):
+            y[t, r - yoff] = _dot_iq4_xs(row, x[t])
+
+
+@njit(nogil=True, cache=True)
+def _dq_iq4_xs(raw, rows, out):
+    for i in range(out.shape[0]):
+        _deq_iq4_xs(raw[rows[i]], out[i])
+
+
 # kind codes of the work-sharing pool's job descriptor
 _KIND = {t: i for i, t in enumerate([QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K,
-                                     QT.F16, QT.BF16])}
+                                     QT.F16, QT.BF16, QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS])}
 
 
 @njit(nogil=True, cache=True)
@@ -402,6 +562,14 @@ def _rows_any(kind, raw, x, y, r0, r1, yoff):
         _rows_f16(raw, x, y, r0, r1, yoff)
     elif kind == 9:
         _rows_bf16(raw, x, y, r0, r1, yoff)
+    elif kind == 10:
+        _rows_q2_k(raw, x, y, r0, r1, yoff)
+    elif kind == 11:
+        _rows_q3_k(raw, x, y, r0, r1, yoff)
+    elif kind == 12:
+        _rows_iq4_nl(raw, x, y, r0, r1, yoff)
+    elif kind == 13:
+        _rows_iq4_xs(raw, x, y, r0, r1, yoff)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -827,6 +995,10 @@ _KERNELS = {
     QT.Q6_K: (_rows_q6_k, _dq_q6_k),
     QT.F16: (_rows_f16, _dq_f16),
     QT.BF16: (_rows_bf16, _dq_bf16),
+    QT.Q2_K: (_rows_q2_k, _dq_q2_k),
+    QT.Q3_K: (_rows_q3_k, _dq_q3_k),
+    QT.IQ4_NL: (_rows_iq4_nl, _dq_iq4_nl),
+    QT.IQ4_XS: (_rows_iq4_xs, _dq_iq4_xs),
 }
 TYPES = frozenset(_KERNELS)
 

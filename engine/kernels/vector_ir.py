@@ -40,6 +40,22 @@ def _target_has(feature: str) -> bool:
 # target has it, else by integer operations (`VectorIR.f16`).
 _F16C = _target_has("f16c")
 
+
+def _byte_table_lookup() -> str:
+    """How `VectorIR.lookup16` indexes a 16-entry byte table: x86 `pshufb` (SSSE3), arm `tbl`
+    (NEON), else "select" (a tree of lane selects, any target)."""
+    import platform
+
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64") and _target_has("ssse3"):
+        return "pshufb"
+    if machine in ("arm64", "aarch64") and _target_has("neon"):
+        return "tbl"
+    return "select"
+
+
+_BYTE_TABLE_LOOKUP = _byte_table_lookup()
+
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F16, F32 = ir.HalfType(), ir.FloatType()
 CONTRACT = ("contract",)
@@ -110,7 +126,9 @@ class VectorIR:
     # integer lane ops (scalar or vector; int right operands are splatted)
     def _c(self, a, c):
         if isinstance(c, int):
-            return self.ci(c, a.type.count if isinstance(a.type, ir.VectorType) else None)
+            if isinstance(a.type, ir.VectorType):
+                return self.ci(c, a.type.count, a.type.element)
+            return self.ci(c, None, a.type)
         return c
 
     def and_(self, a, c):
@@ -130,6 +148,24 @@ class VectorIR:
 
     def add(self, a, c):
         return self.b.add(a, self._c(a, c))
+
+    def lookup16(self, table, idx):
+        """table[idx] lane by lane: `table` 16 constant int8 values, idx <16 x i8> with every lane
+        in 0..15 -> <16 x i8> (a nonlinear 4-bit code book, as IQ4_NL's)."""
+        b = self.b
+        vt = vector_type(I8, 16)
+        assert idx.type == vt and len(table) == 16
+        consts = [ir.Constant(I8, t & 0xFF) for t in table]
+        if _BYTE_TABLE_LOOKUP in ("pshufb", "tbl"):
+            name = "llvm.x86.ssse3.pshuf.b.128" if _BYTE_TABLE_LOOKUP == "pshufb" else "llvm.aarch64.neon.tbl1.v16i8"
+            fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(vt, [vt, vt]), name)
+            return b.call(fn, [ir.Constant(vt, consts), idx])
+        # select tree: level k keeps, per lane, the half of the candidates its index bit k picks
+        cands = [ir.Constant(vt, [c] * 16) for c in consts]
+        for bit in range(4):
+            on = b.icmp_unsigned("!=", self.and_(idx, 1 << bit), self.ci(0, 16, I8))
+            cands = [b.select(on, cands[2 * i + 1], cands[2 * i]) for i in range(len(cands) // 2)]
+        return cands[0]
 
     # conversions
     def sf(self, a):
