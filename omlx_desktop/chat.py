@@ -20,7 +20,6 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
 
 from .chart import format_bytes
-from .conversations import transcript_messages
 from .protocol import SendMessage, TurnFailed, TurnFinished
 from .store import NotFound
 from .worker import StopEvent

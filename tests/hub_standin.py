@@ -28,6 +28,15 @@ PIECE = 1 << 20
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
+def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file, read in pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 @dataclass
 class Served:
     path: Path
@@ -44,11 +53,7 @@ class HubStandIn:
     requests: list[tuple[str, str, dict]] = field(default_factory=list)
 
     def add(self, repo: str, name: str, path: Path) -> None:
-        digest = hashlib.sha256()
-        with open(path, "rb") as fh:
-            while chunk := fh.read(PIECE * 8):
-                digest.update(chunk)
-        self.repos.setdefault(repo, {})[name] = Served(Path(path), Path(path).stat().st_size, digest.hexdigest())
+        self.repos.setdefault(repo, {})[name] = Served(Path(path), Path(path).stat().st_size, sha256_of(path))
 
     def add_repo(self, repo: str) -> None:
         self.repos.setdefault(repo, {})

@@ -17,7 +17,6 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from PySide6.QtWidgets import QApplication  # noqa: E402
 
 from engine import catalog  # noqa: E402
 from engine.catalog import CatalogError  # noqa: E402

@@ -4,7 +4,6 @@ under test is the real huggingface_hub path (model info, resolve URLs, http_get 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import signal
 import subprocess
@@ -22,19 +21,11 @@ from engine.errors import CatalogError, HubError
 from engine.gguf_file import GGUFFile
 
 from . import tiny_gguf
-from .hub_standin import COMMIT, HubStandIn
+from .hub_standin import COMMIT, HubStandIn, sha256_of
 from .tiny_gguf import write_tiny_model
 
 SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO = "test-org/SmolLM2-135M-Instruct-GGUF"
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_split_model(folder: Path, max_tensors: int) -> list[Path]:

@@ -14,7 +14,6 @@ import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-import hashlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gguf  # noqa: E402
@@ -25,7 +24,7 @@ from engine.errors import HubError  # noqa: E402
 from omlx_desktop.hub_dialog import parse_repo_text  # noqa: E402
 from omlx_desktop.window import MainWindow  # noqa: E402
 
-from .hub_standin import HubStandIn  # noqa: E402
+from .hub_standin import HubStandIn, sha256_of  # noqa: E402
 from .qt_wait import wait_until  # noqa: E402
 from .tiny_gguf import write_tiny_model  # noqa: E402
 
@@ -34,14 +33,6 @@ REPO = "test-org/SmolLM2-135M-Instruct-GGUF"
 TINY_REPO = "test-org/tiny-GGUF"
 TINY_FILE = "tiny-Q8_0.gguf"
 TIMEOUT = 120.0
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def leftovers(folder: Path) -> list[Path]:
