@@ -199,7 +199,7 @@ class _Network:
         n = model.n_layers
         self.attn = [dict() for _ in range(n)]
         self.blocks = [dict() for _ in range(n)]
-        base = model.new_cache(self.full)
+        base = model.new_cache(None)  # float16 values, as the 16-bit paged cache holds them
         cache = _LayerCaches([_RecordingLayer(base[i], self.attn[i]) for i in range(n)])
         layers = getattr(model, "layers", None)
         wrap = isinstance(layers, list) and len(layers) == n
@@ -237,14 +237,14 @@ class _Network:
         m, n = self.model, self.model.n_layers
         if self.partial:
             layers = self.model.layers
-            fresh = m.new_cache(self.full)
+            fresh = m.new_cache(None)
             x = self.blocks[layer]["x"]
             for j in range(layer, n):
                 args = self.blocks[j]["args"][:-1]
                 x = layers[j](x, *args, _InjectingLayer(out) if j == layer else fresh[j])
             h = _final_norm(m, x)
         else:
-            fresh = m.new_cache(self.full)
+            fresh = m.new_cache(None)
             caches = [_InjectingLayer(out) if j == layer else fresh[j] for j in range(n)]
             h = m.hidden(self.inputs, _LayerCaches(caches))
         return float(_kl(self.lp_ref, _log_probs(m, h)).mean())
@@ -414,16 +414,19 @@ def choose_widths(kl: np.ndarray, costs: Costs, budget: float, options: KVConfig
     options = options if options is not None else KVConfig()
     n = kl.shape[0]
     items = [(layer, role) for layer in range(n) for role in range(2)]
-    variable = costs.choice
-    top = float(variable.max(axis=2).sum())
+    # Each choice's bytes above its item's narrowest width: the narrowest spec costs 0 units, so
+    # it fits exactly when the budget reaches it.
+    floor = costs.choice.min(axis=2)
+    extra = costs.choice - floor[:, :, None]
+    top = float(extra.max(axis=2).sum())
     unit = top / _GRID if top > 0 else 1.0
-    units = np.ceil(variable / unit - 1e-9).astype(np.int64)
-    cheapest = float(variable.min(axis=2).sum() + costs.fixed)
-    room = budget - costs.fixed
-    if room < float(variable.min(axis=2).sum()) - 1e-6:
+    units = np.ceil(extra / unit - 1e-9).astype(np.int64)
+    room = budget - costs.fixed - float(floor.sum())
+    if room < -1e-6:
+        cheapest = float(floor.sum()) + costs.fixed
         raise KVTuneError(f"a budget of {budget:,.0f} bytes is below the smallest spec ({cheapest:,.0f} bytes, "
                           f"every layer at {min(costs.bits)} bits)")
-    cap = min(int(math.floor(room / unit + 1e-9)), int(units.max(axis=2).sum()))
+    cap = min(int(math.floor(max(room, 0.0) / unit + 1e-9)), int(units.max(axis=2).sum()))
     inf = np.inf
     dp = np.full(cap + 1, inf)
     dp[0] = 0.0
