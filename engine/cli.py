@@ -361,7 +361,7 @@ def cmd_bench(args) -> int:
     specs = [str(parse_kv(s)) for s in (args.kv or ["full", "k8v8", "k6v4", "k4v4"])]
     results = bench.run_bench(engine, specs, doc=doc, questions=questions, max_tokens=args.max_tokens,
                               ctx=args.ctx, kl_tokens=args.kl_tokens,
-                              progress=lambda msg: print(msg, file=sys.stderr))
+                              progress=lambda msg: print(msg, file=sys.stderr), tuned=args.tuned)
     row = bench.llama_cpp_row(engine.path, doc.read_text(), questions[0], args.max_tokens)
     paths = bench.write_report(results, Path(args.out), model=engine.name, doc=doc,
                                n_questions=len(questions), llama_cpp=row)
@@ -688,6 +688,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--ctx", type=int, help="context limit (default: the model's)")
     p.add_argument("--kl-tokens", type=int, default=1024, help="document tokens for the KL column (0: skip)")
+    p.add_argument("--tuned", action="store_true",
+                   help="beside each quantized spec, per-layer widths tuned for its bytes (omlx kv-tune)")
     _add_force(p)
     p.set_defaults(func=cmd_bench)
 

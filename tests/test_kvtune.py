@@ -167,3 +167,16 @@ def test_smollm2_tuned_beats_uniform_k4v4_on_held_out_text(smollm2_path, tmp_pat
     uniform, chosen = evaluate_kv(engine, held_out, ["k4v4", tuned.choice.config])
     assert chosen.kv_bytes <= uniform.kv_bytes
     assert chosen.mean_kl <= 0.8 * uniform.mean_kl, (tuned.choice.spec, chosen.mean_kl, uniform.mean_kl)
+
+
+def test_bench_tuned_specs_fit_the_uniform_bytes(tiny_engine, monkeypatch, tmp_path):
+    from engine.bench import tuned_specs
+
+    monkeypatch.setenv("OMLX_CACHE_DIR", str(tmp_path))
+    tuned = tuned_specs(tiny_engine, ["k16v16", "k4v4", "k6v4"])
+    assert set(tuned) == {"k4v4", "k6v4"}  # a 16-bit spec has nothing to tune
+    model = tiny_engine.model
+    costs = kvtune.model_costs(model, KVConfig())
+    for uniform, spec in tuned.items():
+        widths = kvtune.spec_widths(KVConfig.parse(spec), model.n_layers)
+        assert costs.total(widths) <= kvtune.budget_like(KVConfig.parse(uniform), model, costs)
