@@ -1,6 +1,10 @@
 """`omlx bench`: the standard test set. One fixed long document and six fixed questions, run for
 each KV spec in one process, so that tuning is judged on the same work every time.
 
+With `tuned`, each quantized uniform spec also gets a tuned one beside it: per-layer K and V widths
+chosen by engine.kvtune for the same bytes (profile measured on the shipped calibration text, or
+read from the profile store), reported as "tuned@SPEC".
+
 For each spec: a fresh prefix cache (no disk reuse, so question 1 is cold and pays for reading
 the document), the six questions in turn (each on its own, as `omlx ask`), RSS and KV bytes
 sampled 4x/s on a background thread, then teacher-forced KL of the spec against 16-bit KV over
@@ -29,6 +33,7 @@ KL_TOKENS = 1024  # teacher-forced tokens of the document for the KL column
 @dataclass
 class SpecResult:
     spec: str
+    tuned_for: str | None = None  # the uniform spec whose bytes a tuned spec was chosen for
     peak_rss_bytes: int = 0
     kv_bytes: int = 0
     ttft_cold_s: float = 0.0
@@ -69,12 +74,34 @@ class _Sampler:
         self._thread.join()
 
 
+def tuned_specs(engine, specs: list[str], progress=None) -> dict[str, str]:
+    """{uniform spec: tuned spec at its bytes} for each spec with no layer at 16 bits."""
+    from . import kvtune
+    from .kv.config import parse_kv
+
+    tokens = kvtune.calibration_tokens(engine, kvtune.DEFAULT_CALIBRATION_TEXT.read_text())
+    out = {}
+    for spec in specs:
+        widths = kvtune.spec_widths(parse_kv(spec), engine.model.n_layers)
+        if set(widths.ravel()) <= set(kvtune.CANDIDATE_BITS):
+            if progress:
+                progress(f"{spec}: tuning per-layer widths for its bytes")
+            out[spec] = kvtune.tune(engine, tokens, budget_like_spec=spec, verify=False).choice.spec
+    return out
+
+
 def run_bench(engine, specs: list[str], *, doc: Path = DEFAULT_DOC, questions: list[str] | None = None,
               max_tokens: int = 32, ctx: int | None = None, kl_tokens: int = KL_TOKENS,
-              progress=None) -> list[SpecResult]:
+              progress=None, tuned: bool = False) -> list[SpecResult]:
     from .evaluate import evaluate_kv
     from .session import Session
 
+    tuned_for: dict[str, str] = {}
+    if tuned:
+        for uniform, spec in tuned_specs(engine, specs, progress).items():
+            if spec not in specs and spec not in tuned_for:  # a tuned spec equal to a listed one runs once
+                tuned_for[spec] = uniform
+        specs = list(specs) + list(tuned_for)
     questions = questions or read_questions(DEFAULT_QUESTIONS)
     text = doc.read_text()
     saved_disk = engine.disk_cache
@@ -83,7 +110,7 @@ def run_bench(engine, specs: list[str], *, doc: Path = DEFAULT_DOC, questions: l
     try:
         for spec in specs:
             engine.set_kv(spec)
-            result = SpecResult(spec=str(engine.kv_config))
+            result = SpecResult(spec=str(engine.kv_config), tuned_for=tuned_for.get(spec))
             session = Session(engine, ctx=ctx)
             session.add_document(text=text, name=doc.name, prefill=False)
             stats = []
@@ -161,7 +188,8 @@ def write_report(results: list[SpecResult], out: Path, *, model: str, doc: Path,
     ]
     for r in results:
         kl = "—" if r.mean_kl is None else f"{r.mean_kl:.5f}"
-        lines.append(f"| {r.spec} | {_mib(r.peak_rss_bytes)} | {_mib(r.kv_bytes)} | {r.ttft_cold_s:.2f} | "
+        name = f"tuned@{r.tuned_for}: {r.spec}" if r.tuned_for else r.spec
+        lines.append(f"| {name} | {_mib(r.peak_rss_bytes)} | {_mib(r.kv_bytes)} | {r.ttft_cold_s:.2f} | "
                      f"{r.ttft_cached_s:.3f} | {r.cached_share:.1%} | {r.decode_tok_s:.1f} | {kl} |")
     if llama_cpp:
         lines.append(f"| llama.cpp (f16 KV) | | | | | | {llama_cpp['decode_tok_s']:.1f} | |")
@@ -195,7 +223,7 @@ def _plot(results: list[SpecResult], path: Path, model: str) -> Path | None:
         if not r.timeline:
             continue
         t, rss, kv = (np.array(c, dtype=float) for c in zip(*r.timeline))
-        ax_rss.plot(t, rss / 2**20, label=r.spec)
+        ax_rss.plot(t, rss / 2**20, label=f"tuned@{r.tuned_for}" if r.tuned_for else r.spec)
         ax_kv.plot(t, kv / 2**20, label=r.spec)
     ax_rss.set_ylabel("process RSS (MiB)")
     ax_kv.set_ylabel("KV bytes in use (MiB)")

@@ -361,7 +361,7 @@ def cmd_bench(args) -> int:
     specs = [str(parse_kv(s)) for s in (args.kv or ["full", "k8v8", "k6v4", "k4v4"])]
     results = bench.run_bench(engine, specs, doc=doc, questions=questions, max_tokens=args.max_tokens,
                               ctx=args.ctx, kl_tokens=args.kl_tokens,
-                              progress=lambda msg: print(msg, file=sys.stderr))
+                              progress=lambda msg: print(msg, file=sys.stderr), tuned=args.tuned)
     row = bench.llama_cpp_row(engine.path, doc.read_text(), questions[0], args.max_tokens)
     paths = bench.write_report(results, Path(args.out), model=engine.name, doc=doc,
                                n_questions=len(questions), llama_cpp=row)
@@ -478,6 +478,48 @@ def cmd_eval_kv(args) -> int:
     print(f"{'spec':28s} {'mean KL':>9s} {'top-1':>7s} {'ppl':>8s} {'KV bytes':>12s}")
     for r in results:
         print(f"{r.spec:28s} {r.mean_kl:9.5f} {r.top1_agreement:7.2%} {r.perplexity:8.3f} {_fmt_bytes(r.kv_bytes):>12s}")
+    return 0
+
+
+def cmd_kv_tune(args) -> int:
+    from . import kvtune
+    from .engine import Engine
+
+    if args.budget_bytes is not None and not args.ctx:
+        raise CLIError("--budget-bytes needs --ctx: the context the bytes are for")
+    if args.n_tokens < 1:
+        raise CLIError("--n-tokens must be at least 1")
+    path = _resolve(args.model)
+    args.kv = "full"
+    _check_fit(path, args, kv="full")
+    engine = Engine.load(path, kv="full")
+    text_path = Path(args.text_file) if args.text_file else kvtune.DEFAULT_CALIBRATION_TEXT
+    tokens = kvtune.calibration_tokens(engine, text_path.read_text(encoding="utf-8"), args.n_tokens)
+    report = _progress_printer()
+    result = kvtune.tune(engine, tokens, budget_like_spec=args.budget_like, bits_per_value=args.bits_per_value,
+                         budget_bytes=args.budget_bytes, ctx=args.ctx, verify=not args.no_verify,
+                         progress=report)
+    _end_progress()
+    data = result.as_dict()
+    data["ctx"] = args.ctx
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    profile, choice = result.profile, result.choice
+    source = "stored profile" if result.from_store else f"measured in {profile.seconds:.0f} s"
+    print(f"{engine.name}: {len(tokens) - 1:,} tokens of {text_path.name} ({source})")
+    print(f"{'layer':>5s} {'K bits':>6s} {'V bits':>6s} {'KL of K':>9s} {'KL of V':>9s}")
+    for i, (k, v) in enumerate(choice.widths):
+        kl_k = profile.kl[i, 0, profile.bits.index(int(k))]
+        kl_v = profile.kl[i, 1, profile.bits.index(int(v))]
+        print(f"{i:5d} {int(k):6d} {int(v):6d} {kl_k:9.6f} {kl_v:9.6f}")
+    where = f"at {args.ctx:,} tokens" if args.ctx else "per token"
+    print(f"spec          {choice.spec}")
+    print(f"bytes         {_fmt_bytes(choice.bytes)} {where} (budget {_fmt_bytes(choice.budget)}); "
+          f"{result.kv_bytes_per_token:,.0f} B per token")
+    print(f"predicted KL  {choice.predicted_kl:.5f}")
+    if result.measured_kl is not None:
+        print(f"measured KL   {result.measured_kl:.5f}")
     return 0
 
 
@@ -646,8 +688,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--ctx", type=int, help="context limit (default: the model's)")
     p.add_argument("--kl-tokens", type=int, default=1024, help="document tokens for the KL column (0: skip)")
+    p.add_argument("--tuned", action="store_true",
+                   help="beside each quantized spec, per-layer widths tuned for its bytes (omlx kv-tune)")
     _add_force(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("kv-tune", help="per-layer K and V widths chosen from measured sensitivity for a byte budget")
+    p.add_argument("model", help=model_help)
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-like", type=_kv_arg, metavar="SPEC",
+                        help="the bytes of this spec (its block size, sinks and rotation are kept)")
+    budget.add_argument("--bits-per-value", type=float, metavar="X",
+                        help="X stored bits per K/V value on average, scales included")
+    budget.add_argument("--budget-bytes", type=int, metavar="N", help="N bytes of KV at --ctx tokens")
+    p.add_argument("--ctx", type=int, help="count bytes at this many tokens (sliding-window layers hold fewer)")
+    p.add_argument("--text-file", help="calibration text (default: the one in resources/kvtune)")
+    p.add_argument("--n-tokens", type=int, default=512, help="calibration tokens (default 512)")
+    p.add_argument("--no-verify", action="store_true", help="skip the evaluation of the chosen spec")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: spec, kv_bytes_per_token, predicted_kl, measured_kl, ...")
+    _add_force(p)
+    p.set_defaults(func=cmd_kv_tune)
 
     p = sub.add_parser("eval-kv", help="KL divergence, top-1 agreement and perplexity of KV specs vs 16-bit KV")
     p.add_argument("model", help=model_help)
