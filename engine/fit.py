@@ -16,7 +16,8 @@ estimate = runtime + weights + tokenizer + KV(ctx, spec) + max(prefill working s
               of dim, ffn and heads × head_dim)
   decode floor what decoding holds once it has started (its kernels, loaded on first use, and
               their buffers; a measured constant): short prompts peak there, not in the prefill
-The constants are fitted to peak RSS measured on the catalog's models (the estimate-vs-measured
+The constants are fitted to the peak RSS (VmHWM of a fresh process, kernel cache warm) of the
+catalog's models at several contexts and specs (the estimate-vs-measured
 test holds it within 15%). Verdict against psutil's available memory: "fits" up to
 TIGHT_FRACTION of it, "tight" up to all of it, "does not fit" beyond.
 """
@@ -31,7 +32,7 @@ import psutil
 from .errors import DoesNotFit
 
 MiB = 1 << 20
-RUNTIME_BYTES = 168 * MiB
+RUNTIME_BYTES = 144 * MiB
 DECODE_FLOOR_BYTES = 68 * MiB
 TOKENIZER_BYTES_PER_ENTRY = 384
 ATTENTION_SCORE_COPIES = 3  # scores, their masked copy, the softmax output (float32 each)

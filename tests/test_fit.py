@@ -21,7 +21,7 @@ SMOL = "smollm2-135m-instruct"
 MiB = 1 << 20
 
 PEAK_SCRIPT = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     import numpy as np
     from engine.engine import Engine
     from engine.sampling import SamplingParams
@@ -31,8 +31,12 @@ PEAK_SCRIPT = textwrap.dedent("""
     ids = (np.arange(n - 4) % 1000 + 100).tolist()  # n - 4 prompt tokens, then 4 decoded
     result = engine.generate(ids, max_tokens=4, sampling=SamplingParams())
     assert result.stats.prompt_tokens == n - 4
-    # the kernel's high-water mark of this process's resident set (KiB on Linux)
-    print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    # The high-water mark of this address space's resident set (VmHWM, KiB). Not getrusage's
+    # ru_maxrss: Linux carries that across fork and exec, so a child of a large pytest process
+    # would report the parent's size.
+    with open("/proc/self/status") as status:
+        hwm = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    print(json.dumps({"peak_rss": hwm * 1024}))
 """)
 
 
@@ -104,10 +108,13 @@ def test_loading_a_model_that_does_not_fit_needs_force(smollm2_path):
 @pytest.mark.parametrize("name, n_tokens, kv", [(SMOL, 64, "full"), (SMOL, 2048, "balanced"), ("gemma3-270m", 1024, "balanced")])
 def test_estimate_within_15_percent_of_measured_peak_rss(name, n_tokens, kv, smollm2_path, gemma3_path):
     path = smollm2_path if name == SMOL else gemma3_path
-    # a fresh process: no other test's memory counts
-    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path), str(n_tokens), kv],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr
+    # A fresh process, so no other test's memory counts; run twice, measuring the second: the
+    # first may compile kernels into numba's disk cache (a one-time cost on a new install, whose
+    # LLVM memory is not the steady state the estimate describes).
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path), str(n_tokens), kv],
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr
     measured = json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss"]
     estimated = fit.estimate_file(path, n_tokens, kv).total_bytes
     assert abs(estimated - measured) <= 0.15 * measured, (
