@@ -83,6 +83,22 @@ class HubStandIn:
         self._server.shutdown()
         self._server.server_close()
 
+    def serve_for_test(self, monkeypatch, tmp_path: Path):
+        """Start, and point huggingface_hub and the app at this server for one test: HF_ENDPOINT,
+        an empty HF cache and models dir under tmp_path, offline mode off. A generator for a
+        pytest fixture to `yield from`; stops the server after the test."""
+        from engine import catalog
+
+        url = self.start()
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+        monkeypatch.setenv(catalog.MODELS_DIR_ENV, str(tmp_path / "models"))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        try:
+            yield self
+        finally:
+            self.stop()
+
     def ranges(self, name: str) -> list[str]:
         """The Range headers of the GETs for file `name`."""
         return [h.get("Range") for method, path, h in self.requests

@@ -59,13 +59,7 @@ def standin(files, tmp_path, monkeypatch):
     for part in files["parts"]:
         server.add("test-org/tiny-GGUF", f"split/{part.name}", part)
     server.add_repo("test-org/safetensors-only")
-    url = server.start()
-    monkeypatch.setenv("HF_ENDPOINT", url)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setenv(catalog.MODELS_DIR_ENV, str(tmp_path / "models"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    yield server
-    server.stop()
+    yield from server.serve_for_test(monkeypatch, tmp_path)
 
 
 def omlx(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:

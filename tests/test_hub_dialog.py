@@ -53,14 +53,8 @@ def standin(files, tmp_path, monkeypatch):
     server.add(REPO, TINY_FILE, files["tiny"])
     server.add(TINY_REPO, TINY_FILE, files["tiny"])
     server.add_repo("test-org/safetensors-only")
-    url = server.start()
-    monkeypatch.setenv("HF_ENDPOINT", url)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setenv(catalog.MODELS_DIR_ENV, str(tmp_path / "models"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv(fit.MEMORY_LIMIT_ENV, raising=False)
-    yield server
-    server.stop()
+    yield from server.serve_for_test(monkeypatch, tmp_path)
 
 
 @pytest.fixture
