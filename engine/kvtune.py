@@ -349,11 +349,10 @@ def model_costs(model, options: KVConfig, bits: Sequence[int] = CANDIDATE_BITS, 
     fixed = None
     for bi, b in enumerate(bits):
         est = estimate_bytes(KVConfig(b, b, block_size=bs, sinks=options.sinks), n, hkv, d, ctx, dv, windows=windows)
-        buffers = (bs + options.sinks) * hkv * (d + dv) * 4
         for layer in est["per_layer"]:
-            choice[layer["layer"], 0, bi] = layer["k"] - (bs + options.sinks) * hkv * d * 4
-            choice[layer["layer"], 1, bi] = layer["v"] - (bs + options.sinks) * hkv * dv * 4
-        fixed = n * buffers
+            choice[layer["layer"], 0, bi] = layer["k_blocks"]
+            choice[layer["layer"], 1, bi] = layer["v_blocks"]
+        fixed = sum(layer["total"] - layer["k_blocks"] - layer["v_blocks"] for layer in est["per_layer"])
     return Costs(choice, float(fixed), ctx, tuple(bits))
 
 

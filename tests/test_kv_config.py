@@ -769,7 +769,8 @@ def test_estimate_with_fake_format(fake_formats):
     assert r["k"] == 3 * k_layer and r["v"] == 3 * v_layer
     assert r["total"] == r["k"] + r["v"]
     assert [p["total"] for p in r["per_layer"]] == [k_layer + v_layer] * 3
-    first = {"layer": 0, "k_bits": 8, "v_bits": 4, "k": k_layer, "v": v_layer, "total": k_layer + v_layer}
+    first = {"layer": 0, "k_bits": 8, "v_bits": 4, "k": k_layer, "v": v_layer, "total": k_layer + v_layer,
+             "k_blocks": k_layer - buffers, "v_blocks": v_layer - buffers}
     assert r["per_layer"][0] == first
     assert r["bits_per_value"] == pytest.approx(r["total"] * 8 / (3 * n_tokens * heads * dim * 2))
     assert set(fake_formats) == {(8, "k"), (4, "v")}

@@ -951,7 +951,8 @@ def estimate_bytes(
         `sinks` tokens, allocated once per layer.
 
     Returns {"total", "k", "v": bytes; "per_layer": [{"layer", "k_bits", "v_bits", "k", "v",
-    "total"}]; "bits_per_value": average stored bits per K/V element (0.0 for no tokens)}.
+    "total", "k_blocks", "v_blocks" (the quantized blocks alone, without the buffers)}];
+    "bits_per_value": average stored bits per K/V element (0.0 for no tokens)}.
     """
     if not isinstance(config, KVConfig):
         config = parse_kv(config)
@@ -967,18 +968,22 @@ def estimate_bytes(
     n_full = n_tokens // bs
     buffer_tokens = bs + config.sinks
 
-    def stored(bits: int, role: str, dim: int, blocks: int) -> int:
-        row = get_format(bits, role).bytes_per_block(n_kv_heads, bs, dim)
-        return blocks * row + buffer_tokens * n_kv_heads * dim * 4
+    def block_bytes(bits: int, role: str, dim: int, blocks: int) -> int:
+        return blocks * get_format(bits, role).bytes_per_block(n_kv_heads, bs, dim)
+
+    def buffer_bytes(dim: int) -> int:
+        return buffer_tokens * n_kv_heads * dim * 4
 
     per_layer = []
     for i, prec in enumerate(layers):
         blocks = n_full
         if windows[i] is not None:
             blocks -= min(n_full, max(0, (n_tokens - windows[i] + 1) // bs))
-        k = stored(prec.k_bits, "k", head_dim, blocks)
-        v = stored(prec.v_bits, "v", value_dim, blocks)
-        per_layer.append({"layer": i, "k_bits": prec.k_bits, "v_bits": prec.v_bits, "k": k, "v": v, "total": k + v})
+        k_blocks = block_bytes(prec.k_bits, "k", head_dim, blocks)
+        v_blocks = block_bytes(prec.v_bits, "v", value_dim, blocks)
+        k, v = k_blocks + buffer_bytes(head_dim), v_blocks + buffer_bytes(value_dim)
+        per_layer.append({"layer": i, "k_bits": prec.k_bits, "v_bits": prec.v_bits, "k": k, "v": v,
+                          "total": k + v, "k_blocks": k_blocks, "v_blocks": v_blocks})
     k_total = sum(p["k"] for p in per_layer)
     v_total = sum(p["v"] for p in per_layer)
     total = k_total + v_total
