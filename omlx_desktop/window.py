@@ -116,7 +116,7 @@ class MainWindow(QMainWindow):
         self.fetch_cancel_button.clicked.connect(self.models.cancel_fetch)
         self.welcome_hub_button.clicked.connect(self.open_hub_dialog)
         self.input.submitted.connect(self.send_message)
-        self.send_button.clicked.connect(self.send_message)
+        self.send_button.clicked.connect(lambda: self.send_message())   # not clicked(bool) as the text
         self.stop_button.clicked.connect(self.stop_generation)
         self.regenerate_button.clicked.connect(self.regenerate)
         self.copy_button.clicked.connect(self.copy_last_answer)
