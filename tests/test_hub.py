@@ -317,32 +317,41 @@ def test_hub_catalog_name_fetches_through_the_hub(standin, files, monkeypatch):
 
 def test_a_second_fetch_of_the_same_file_waits_for_the_first(standin, files):
     """Two fetches of one file (two windows, or the app and `omlx models fetch`) never append to
-    the same partial file together: the second waits, then finds the file complete."""
+    the same partial file together: the second waits for the first, then finds the file complete."""
+    import shutil
+
     import filelock
 
     target = hub.hub_models_dir() / REPO / SMOL_FILE
-    lock = filelock.FileLock(str(hub.hub_models_dir() / ".locks" / REPO / f"{SMOL_FILE}.lock"))
-    lock_dir = Path(lock.lock_file).parent
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    first_done = threading.Event()
+    lock_path = hub.hub_models_dir() / ".locks" / REPO / f"{SMOL_FILE}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    held, waiting = threading.Event(), threading.Event()
 
-    def first_fetch():   # holds the lock for a moment as a running download does, then downloads
-        with lock:
-            time.sleep(1.0)
-            hub.download(f"hf:{REPO}/{SMOL_FILE}")   # re-entrant: the same thread's lock
-            first_done.set()
+    def other_download():   # another process's download, as far as this one can tell
+        with filelock.FileLock(str(lock_path)):
+            held.set()
+            waiting.wait(30)     # until the second fetch says it waits
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(files["smol"], target)
 
-    thread = threading.Thread(target=first_fetch)
+    def progress(stage, fraction):
+        stages.append(stage)
+        if stage.startswith("waiting for another download"):
+            waiting.set()
+
+    thread = threading.Thread(target=other_download)
     thread.start()
-    time.sleep(0.2)
+    held.wait(5)
     stages = []
-    path = hub.download(f"hf:{REPO}/{SMOL_FILE}", progress=lambda stage, f: stages.append(stage))
+    try:
+        path = hub.download(f"hf:{REPO}/{SMOL_FILE}", progress=progress)
+    finally:
+        waiting.set()
     thread.join()
-    assert first_done.is_set() and path == target
+    assert path == target
     assert any(s.startswith("waiting for another download") for s in stages)
     assert stages[-1] == "already downloaded"            # found complete, not downloaded again
-    gets = [r for r in standin.requests if r[0] == "GET" and r[1].endswith(SMOL_FILE)]
-    assert len(gets) == 1
+    assert not [r for r in standin.requests if r[0] == "GET" and r[1].endswith(SMOL_FILE)]
     assert sha256_of(path) == sha256_of(files["smol"])
     assert leftovers(target.parent) == [path]
 
