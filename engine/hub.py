@@ -17,6 +17,7 @@ The endpoint is ``$HF_ENDPOINT`` read at call time (the library reads it once at
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -484,6 +485,46 @@ def download(
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise HubError(f"cannot create the models folder {target.parent}: {exc}") from exc
+    with _download_lock(repo, target, report, cancel):
+        # Another process (a second window, `omlx models fetch`) may have finished it meanwhile.
+        if not force and target.is_file() and (hub_file.is_split or target.stat().st_size == hub_file.size):
+            report("already downloaded", 1.0)
+            return target
+        return _download_locked(repo, listing, hub_file, target, report, cancel)
+
+
+@contextlib.contextmanager
+def _download_lock(repo: str, target: Path, report: "_Reporter", cancel: threading.Event | None):
+    """One download of ``target`` at a time across processes: two writers appending to the same
+    partial file would interleave their bytes. A second fetch waits (cancellable) for the first.
+    Lock files live under ``hf/.locks/`` (as in huggingface_hub's cache), not beside the models."""
+    import filelock   # huggingface_hub's own cross-process lock library
+
+    lock_path = hub_models_dir() / ".locks" / repo / f"{target.name}.lock"
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HubError(f"cannot create the download lock folder {lock_path.parent}: {exc}") from exc
+    lock = filelock.FileLock(str(lock_path))
+    waited = False
+    while True:
+        try:
+            lock.acquire(timeout=0.25)
+            break
+        except filelock.Timeout:
+            if cancel is not None and cancel.is_set():
+                raise HubError(f"cancelled while another download of {target.name} was running")
+            if not waited:
+                report(f"waiting for another download of {target.name}", 0.0)
+                waited = True
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _download_locked(repo: str, listing, hub_file: HubFile, target: Path, report: "_Reporter",
+                     cancel: threading.Event | None) -> Path:
     total = max(hub_file.size, 1)
     done = 0
     downloaded: list[Path] = []

@@ -52,6 +52,16 @@ def stats_text(stats: dict) -> str:
     prompt = stats.get("prompt_tokens", 0)
     cached = stats.get("cached_tokens", 0)
     source = stats.get("cache_source", "none")
+    if stats.get("kv_spec") == "remote":   # the server's KV and memory are not seen from here
+        parts = [f"TTFT {stats.get('ttft_s', 0):.2f} s (with the network)",
+                 f"{stats.get('decode_tok_s', 0):.1f} tok/s",
+                 f"{stats.get('generated_tokens', 0)} tokens",
+                 f"server cache: {cached:,} of {prompt:,} prompt tokens reused"]
+        if stats.get("finish_reason") == "length":
+            parts.append("max tokens reached")
+        elif stats.get("finish_reason") == "cancelled":
+            parts.append("stopped")
+        return "  ·  ".join(p.replace(" ", "\u00a0") for p in parts)
     parts = [
         f"TTFT {stats.get('ttft_s', 0):.2f} s",
         f"{stats.get('decode_tok_s', 0):.1f} tok/s",

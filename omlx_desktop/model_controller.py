@@ -28,7 +28,9 @@ from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QFileDialog, QMessageBox
 
 from .chart import format_bytes
-from .protocol import Configure, FetchModel, Failure, FitCheck, KVApplied, LoadModel, ModelInfo
+from .protocol import (
+    Configure, ConnectRemote, FetchModel, Failure, FitCheck, KVApplied, LoadModel, ModelInfo,
+)
 from .ui import APP_TITLE
 from .worker import FROZEN_FETCH_MESSAGE, is_frozen
 
@@ -38,7 +40,10 @@ if TYPE_CHECKING:
 
 def model_text(info: dict) -> str:
     """The model bar: name, file and size, KV bytes per token, context (wrapping only between
-    the parts)."""
+    the parts); for a remote model its name and server."""
+    if info.get("remote"):
+        return (f"<b>{html.escape(info['name'])}</b> &nbsp;·&nbsp; remote server "
+                f"{html.escape(info['path'])}")
     parts = [
         f"<b>{html.escape(info['name'])}</b>",
         f"{html.escape(Path(info['path']).name)}, {format_bytes(info['file_size'])}",
@@ -111,6 +116,17 @@ class ModelController(QObject):
             w.welcome_status.setText(f"Loading {name}…")
         w.update_buttons()
         w.request(LoadModel(str(spec), force=force))
+
+    def connect_remote(self, base_url: str, api_key: str | None, model: str | None) -> None:
+        """Chats through ``model`` on an OpenAI-compatible server (answered like a load: the
+        current model stays until the server answered)."""
+        w = self.w
+        self.loading = f"remote:{base_url}"
+        w.load_progress.set_stage("connecting", 0.0)
+        w.load_progress.show()
+        w.statusBar().showMessage(f"Connecting to {base_url}…")
+        w.update_buttons()
+        w.request(ConnectRemote(base_url, api_key, model))
 
     def open_dialog(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self.w, "Open a GGUF model", "",
@@ -238,13 +254,19 @@ class ModelController(QObject):
         w.fetch_progress.hide()
         w.welcome_status.setText("")
         w.clear_error("model")
-        w.store.set_setting("last_model", info["path"])
+        remote = bool(info.get("remote"))
+        if not remote:      # a server is not reconnected at start (its key is not stored)
+            w.store.set_setting("last_model", info["path"])
         w.model_label.setText(model_text(info))
         w.model_label.setToolTip(info["path"])
         w.setWindowTitle(f"{info['name']} — {APP_TITLE}")
         w.stack.setCurrentWidget(w.transcript)
-        w.kv_panel.set_model(info)   # may clamp the context: configures the worker first
-        w.request(Configure.from_panel(w.kv_panel.settings()))
+        # A remote server keeps its own KV cache: the panel is shown disabled, with a note why.
+        w.kv_panel.setEnabled(not remote)
+        w.kv_remote_note.setVisible(remote)
+        if not remote:
+            w.kv_panel.set_model(info)   # may clamp the context: configures the worker first
+            w.request(Configure.from_panel(w.kv_panel.settings()))
         w.statusBar().showMessage(f"{info['name']} ready", 5000)
         w.conversations.model_changed()
         w.update_buttons()
@@ -269,7 +291,8 @@ class ModelController(QObject):
             return
         w = self.w
         spec = self.loading
-        name = Path(spec).name if spec else "the model"
+        name = (spec[len("remote:"):] if spec.startswith("remote:") else Path(spec).name) \
+            if spec else "the model"
         self._load_ended()
         w.show_error(f"Cannot load {name}: {failure.message}", "model")
         if self.model_info is None:

@@ -33,6 +33,25 @@ class LoadModel:
 
 
 @dataclass(frozen=True)
+class ListRemoteModels:
+    """Ask an OpenAI-compatible server which models it serves (answered by ``remoteModels``)."""
+
+    base_url: str
+    api_key: str | None = None
+
+
+@dataclass(frozen=True)
+class ConnectRemote:
+    """Chat through ``model`` on an OpenAI-compatible server instead of a local model (answered
+    like a load: ``loaded`` with a remote ModelInfo, or ``loadFailed``); the local model is
+    unloaded once connected."""
+
+    base_url: str
+    api_key: str | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True)
 class Configure:
     """The KV panel's settings, applied before the next turn or document (None: unchanged;
     ``spec`` None: the default preset)."""
@@ -141,10 +160,21 @@ class ModelInfo:
     geometry: dict = field(default_factory=dict)   # n_layers, n_kv_heads, head_dim, value_dim, windows
     fit_verdict: str = ""       # engine.fit's verdict at the context and KV setting it loaded with
     fit_summary: str = ""       # FitEstimate.summary(): the verdict with the estimate's parts
+    remote: bool = False        # a model on an OpenAI-compatible server (path is its base URL):
+                                # no local file, no KV settings
 
     def as_dict(self) -> dict:
         """The form the window and the KV panel read (``info["name"]``, ``info["geometry"]``)."""
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class RemoteModels:
+    """A server's model ids, or why there are none (``failure``)."""
+
+    base_url: str
+    ids: tuple[str, ...] = ()
+    failure: Failure | None = None
 
 
 @dataclass(frozen=True)

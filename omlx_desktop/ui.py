@@ -134,12 +134,19 @@ def setup_widgets(w: QMainWindow) -> None:
     w.documents.setMinimumHeight(100)
     w.chart = MemoryChart(kv_source=w.kv_holder.read, kv_axis=True, fit_time=True)
     w.chart.setMinimumHeight(190)
+    w.kv_remote_note = QLabel(
+        "Chatting through a remote server: its KV cache, context and memory are the server's, so "
+        "these settings do not apply. Open or fetch a local model to use them again.")
+    w.kv_remote_note.setWordWrap(True)
+    w.kv_remote_note.setVisible(False)
     w.right = QSplitter(Qt.Orientation.Vertical)
     for title, widget in (("KV cache", kv_scroll), ("Pinned documents", w.documents),
                           ("Memory", w.chart)):
         box = QGroupBox(title)
         bl = QVBoxLayout(box)
         bl.setContentsMargins(4, 4, 4, 4)
+        if widget is kv_scroll:
+            bl.addWidget(w.kv_remote_note)
         bl.addWidget(widget)
         w.right.addWidget(box)
     w.right.setSizes([w.kv_panel.sizeHint().height() + 46, 130, 400])

@@ -3,6 +3,7 @@ controllers that give the widgets their behaviour, wired together here.
 
     models          ModelController         fetch / load state machine, KV settings (model_controller.py)
     hub_dialog      HubDialog               File → Download from Hugging Face… (hub_dialog.py)
+    remote_dialog   RemoteDialog            File → Connect to a server… (remote_dialog.py)
     conversations   ConversationsController the conversation list, opening one (conversations.py)
     chat            ChatController          a turn: send, stream to the Store, stop (chat.py)
     docs            DocumentsController     pinned documents (documents.py)
@@ -35,6 +36,7 @@ from .documents import DocumentsController
 from .hub_dialog import HubDialog
 from .model_controller import ModelController, model_text
 from .protocol import Configure, Shutdown
+from .remote_dialog import RemoteDialog
 from .smoke import SmokeTestDriver
 from .store import Store
 from .ui import APP_TITLE, DEFAULT_MAX_TOKENS, setup_widgets
@@ -69,6 +71,7 @@ class MainWindow(QMainWindow):
         self.errors: list[str] = []
         self.closed = False
         self.hub_dialog: HubDialog | None = None
+        self.remote_dialog: RemoteDialog | None = None
 
         self.setWindowTitle(APP_TITLE)
         self.setWindowIcon(app_icon())
@@ -113,7 +116,7 @@ class MainWindow(QMainWindow):
         self.fetch_cancel_button.clicked.connect(self.models.cancel_fetch)
         self.welcome_hub_button.clicked.connect(self.open_hub_dialog)
         self.input.submitted.connect(self.send_message)
-        self.send_button.clicked.connect(self.send_message)
+        self.send_button.clicked.connect(lambda: self.send_message())   # not clicked(bool) as the text
         self.stop_button.clicked.connect(self.stop_generation)
         self.regenerate_button.clicked.connect(self.regenerate)
         self.copy_button.clicked.connect(self.copy_last_answer)
@@ -136,6 +139,7 @@ class MainWindow(QMainWindow):
                                   QKeySequence.StandardKey.Open)
         self.fetch_action = action(file_menu, "&Fetch the default model", self.models.fetch_default)
         self.hub_action = action(file_menu, "Download from &Hugging Face…", self.open_hub_dialog)
+        self.remote_action = action(file_menu, "&Connect to a server…", self.open_remote_dialog)
         self.add_document_action = action(file_menu, "&Add document…", self.documents.choose_files)
         file_menu.addSeparator()
         action(file_menu, "&Quit", self.close, QKeySequence.StandardKey.Quit)
@@ -229,6 +233,15 @@ class MainWindow(QMainWindow):
         self.hub_dialog.raise_()
         self.hub_dialog.activateWindow()
         return self.hub_dialog
+
+    def open_remote_dialog(self) -> RemoteDialog:
+        """File → Connect to a server…: chat through an OpenAI-compatible server's model."""
+        if self.remote_dialog is None:
+            self.remote_dialog = RemoteDialog(self)
+        self.remote_dialog.show()
+        self.remote_dialog.raise_()
+        self.remote_dialog.activateWindow()
+        return self.remote_dialog
 
     def new_conversation(self) -> int:
         return self.conversations.new()

@@ -30,9 +30,10 @@ from engine.errors import OmlxError
 from engine.fit import DOES_NOT_FIT
 
 from .protocol import (
-    AddDocument, Configure, DocumentAdded, DocumentFailed, DocumentInfo, DocumentPinned,
-    DocumentsChanged, Failure, FetchModel, FitCheck, KVApplied, LoadModel, ModelInfo, OpenConversation,
-    RemoveDocument, SendMessage, SetPinned, Shutdown, TurnFailed, TurnFinished,
+    AddDocument, Configure, ConnectRemote, DocumentAdded, DocumentFailed, DocumentInfo, DocumentPinned,
+    DocumentsChanged, Failure, FetchModel, FitCheck, KVApplied, ListRemoteModels, LoadModel, ModelInfo,
+    OpenConversation, RemoteModels, RemoveDocument, SendMessage, SetPinned, Shutdown, TurnFailed,
+    TurnFinished,
 )
 
 log = logging.getLogger("omlx.desktop.worker")
@@ -87,6 +88,7 @@ class EngineWorker(QObject):
     loaded = Signal(object)                     # ModelInfo
     loadFailed = Signal(object)                 # Failure
     loadNeedsConfirmation = Signal(object)      # FitCheck: does not fit, not loaded (force to load)
+    remoteModels = Signal(object)               # RemoteModels: a server's model ids (or why none)
     # chat
     tokens = Signal(int, str)                   # request id, text since the last signal
     prefillProgress = Signal(int, int, int)     # request id, done, total
@@ -106,6 +108,7 @@ class EngineWorker(QObject):
         super().__init__()
         self.kv = kv_holder or KVHolder()
         self.engine = None
+        self.remote = None                      # engine.remote.RemoteEndpoint when chatting through a server
         self.session = None
         self.conv: int | None = None
         self.spec: str | None = None            # wanted KV spec (None: the default preset)
@@ -119,6 +122,7 @@ class EngineWorker(QObject):
             OpenConversation: self.open_conversation, SendMessage: self.send,
             AddDocument: self.add_document, SetPinned: self.set_pinned,
             RemoveDocument: self.remove_document, Shutdown: self.shutdown,
+            ListRemoteModels: self.list_remote_models, ConnectRemote: self.connect_remote,
         }
 
     @Slot(object)
@@ -178,6 +182,7 @@ class EngineWorker(QObject):
             self.loadFailed.emit(Failure.of(exc))
             return
         self._close_session()
+        self._drop_remote()
         self.engine = engine
         self.conv = None
         self.kv.publish(0, 0)
@@ -185,6 +190,49 @@ class EngineWorker(QObject):
         if estimate is not None:
             info = replace(info, fit_verdict=estimate.verdict, fit_summary=estimate.summary())
         self.loaded.emit(info)
+
+    # -- remote source ----------------------------------------------------------------------
+    def list_remote_models(self, request: ListRemoteModels) -> None:
+        from engine.remote import RemoteEndpoint
+
+        try:
+            endpoint = RemoteEndpoint(request.base_url, request.api_key)
+            try:
+                ids = endpoint.list_models()
+            finally:
+                endpoint.close()
+        except Exception as exc:
+            log.info("listing the models of %s failed: %s", request.base_url, exc)
+            self.remoteModels.emit(RemoteModels(request.base_url, (), Failure.of(exc)))
+            return
+        self.remoteModels.emit(RemoteModels(endpoint.base_url, tuple(ids)))
+
+    def connect_remote(self, request: ConnectRemote) -> None:
+        """Chats through a server from now on: the local model (and its KV) is let go once the
+        server answered, so a failed connection leaves the current model as it was."""
+        from engine.remote import RemoteEndpoint
+
+        try:
+            endpoint = RemoteEndpoint(request.base_url, request.api_key).connect(request.model)
+        except Exception as exc:
+            log.info("connecting to %s failed: %s", request.base_url, exc)
+            self.loadFailed.emit(Failure.of(exc))
+            return
+        self._close_session()
+        self._drop_remote()
+        self.engine = None          # frees the local model's weights and KV pools
+        self.remote = endpoint
+        self.conv = None
+        self.kv.publish(0, 0)
+        self.loaded.emit(ModelInfo(
+            name=endpoint.name, path=endpoint.base_url, file_size=0, architecture="remote",
+            context_length=0, kv_spec="", kv_bytes_per_token=0.0, kv_bytes_per_token_16=0.0,
+            has_chat_template=True, remote=True))
+
+    def _drop_remote(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
 
     def _fit_estimate(self, path):
         """engine.fit's estimate for ``path`` at the wanted context and KV setting (None if the
@@ -234,6 +282,8 @@ class EngineWorker(QObject):
         pinned documents again into it (with their progress shown), before the request that
         needs them."""
         e, s = self.engine, self.session
+        if e is None:               # a remote server: its KV and context are its own
+            return
         if self.spec:
             from engine.kv.config import parse_kv
 
@@ -281,6 +331,10 @@ class EngineWorker(QObject):
     def _new_session(self, system_prompt: str | None):
         from engine.session import Session
 
+        if self.remote is not None:
+            from engine.remote import RemoteSession
+
+            return RemoteSession(self.remote, system_prompt=system_prompt, overflow=self.overflow)
         e = self.engine
         ctx = min(self.ctx or e.model.context_length, e.model.context_length)
         return Session(e, system_prompt=system_prompt, ctx=ctx, overflow=self.overflow)
@@ -288,7 +342,7 @@ class EngineWorker(QObject):
     def open_conversation(self, request: OpenConversation) -> None:
         """A new Session for the conversation: its messages, then its documents re-added (the
         pinned prefix comes back from the prefix cache, in memory or on disk)."""
-        if self.engine is None:
+        if self.engine is None and self.remote is None:
             return
         from engine.errors import DocumentError
 
@@ -326,7 +380,7 @@ class EngineWorker(QObject):
     def _check_conv(self, conv: int) -> None:
         from engine.errors import EngineError
 
-        if self.engine is None:
+        if self.engine is None and self.remote is None:
             raise EngineError("no model is loaded yet: open a .gguf file or fetch the default model")
         if self.session is None or self.conv != conv:
             raise EngineError("this conversation is not open in the engine (open it again)")
@@ -376,7 +430,7 @@ class EngineWorker(QObject):
         stats["finish_reason"] = result.finish_reason
         if stopped_in is not None:
             stats["engine_stop_s"] = stopped_in   # Stop pressed -> the engine's loop ended
-        stats["kv_spec"] = str(self.engine.kv_config)
+        stats["kv_spec"] = str(self.engine.kv_config) if self.engine is not None else "remote"
         self.turnFinished.emit(TurnFinished(rid, result.text, result.finish_reason, stats))
         self.documentsChanged.emit(self._documents(self.conv))
 
@@ -446,3 +500,4 @@ class EngineWorker(QObject):
 
     def shutdown(self, _request: Shutdown | None = None) -> None:
         self._close_session()
+        self._drop_remote()

@@ -68,7 +68,10 @@ def omlx(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedP
 
 
 def leftovers(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+    """Files a download left in ``folder``; the cross-process lock files under ``hf/.locks/`` are
+    meant to stay (deleting a lock file another process waits on would break the lock)."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and ".locks" not in p.parts) \
+        if folder.exists() else []
 
 
 # ------------------------------------------------------------------------------------- names
@@ -310,3 +313,70 @@ def test_hub_catalog_name_fetches_through_the_hub(standin, files, monkeypatch):
     assert path == Path(os.environ[catalog.MODELS_DIR_ENV]) / "hf" / entry.repo / entry.file_name
     assert catalog.hub_entry_path("tiny-hub") == path == catalog.resolve_model("tiny-hub")
     assert sha256_of(path) == sha256_of(files["whole"])
+
+
+def test_a_second_fetch_of_the_same_file_waits_for_the_first(standin, files):
+    """Two fetches of one file (two windows, or the app and `omlx models fetch`) never append to
+    the same partial file together: the second waits for the first, then finds the file complete."""
+    import shutil
+
+    import filelock
+
+    target = hub.hub_models_dir() / REPO / SMOL_FILE
+    lock_path = hub.hub_models_dir() / ".locks" / REPO / f"{SMOL_FILE}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    held, waiting = threading.Event(), threading.Event()
+
+    def other_download():   # another process's download, as far as this one can tell
+        with filelock.FileLock(str(lock_path)):
+            held.set()
+            waiting.wait(30)     # until the second fetch says it waits
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(files["smol"], target)
+
+    def progress(stage, fraction):
+        stages.append(stage)
+        if stage.startswith("waiting for another download"):
+            waiting.set()
+
+    thread = threading.Thread(target=other_download)
+    thread.start()
+    held.wait(5)
+    stages = []
+    try:
+        path = hub.download(f"hf:{REPO}/{SMOL_FILE}", progress=progress)
+    finally:
+        waiting.set()
+    thread.join()
+    assert path == target
+    assert any(s.startswith("waiting for another download") for s in stages)
+    assert stages[-1] == "already downloaded"            # found complete, not downloaded again
+    assert not [r for r in standin.requests if r[0] == "GET" and r[1].endswith(SMOL_FILE)]
+    assert sha256_of(path) == sha256_of(files["smol"])
+    assert leftovers(target.parent) == [path]
+
+
+def test_waiting_for_another_download_can_be_cancelled(standin, files):
+    import filelock
+
+    lock_path = hub.hub_models_dir() / ".locks" / REPO / f"{SMOL_FILE}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    cancel = threading.Event()
+    held, release = threading.Event(), threading.Event()
+
+    def holder():          # another process's download, as far as this one can tell
+        with filelock.FileLock(str(lock_path)):
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    held.wait(5)
+    threading.Timer(0.5, cancel.set).start()
+    try:
+        with pytest.raises(HubError, match="cancelled while another download"):
+            hub.download(f"hf:{REPO}/{SMOL_FILE}", cancel=cancel)
+    finally:
+        release.set()
+        thread.join()
+    assert not (hub.hub_models_dir() / REPO / SMOL_FILE).exists()
