@@ -16,7 +16,8 @@ One turn of the loop:
        steps keep running streams flowing); its last chunk samples its first token
     4. one decode step for every sequence past prefill: their tokens go through the model
        together (`kv.batch.DecodeBatch`: the linear layers see one row per sequence, one pass over
-       the weights), each samples its next token; finished sequences release their blocks
+       the weights for up to DECODE_GROUP sequences), each samples its next token; finished
+       sequences release their blocks
 
 KV budget: every pool has `max_blocks`. An admitted sequence reserves the blocks of its worst
 case, prompt + max_tokens tokens; admission needs the reservations of all running sequences
@@ -42,11 +43,17 @@ from ..errors import ContextFull, EngineError, KVPoolFull, OmlxError
 from ..kv.batch import DecodeBatch
 from ..memory import release_free_heap
 from ..sampling import Sampler, SamplingParams, StopStringMatcher
+from ..weights import QuantLinear
 from .metrics import Metrics
 
 log = logging.getLogger("omlx.serve")
 
 IDLE_WAIT_S = 0.05  # how long an idle engine thread sleeps before looking at queue deadlines again
+# Sequences per forward pass of a decode step: the rows quantized matrices multiply with the fused
+# kernels, which compute every row of x exactly as they compute it alone (so greedy output is the
+# same alone or in a batch). A larger batch is decoded in several passes of this many rows; BLAS
+# (the path for more rows) would round differently.
+DECODE_GROUP = QuantLinear.MATVEC_MAX_ROWS
 
 
 class QueueTimeout(OmlxError):
@@ -348,15 +355,15 @@ class Scheduler:
         batch = [s for s in self._running if not s.prefilling and s.next_token is not None]
         if not batch:
             return False
-        tokens = np.array([s.next_token for s in batch], np.int64)
         t0 = time.perf_counter()
-        if len(batch) == 1:
-            logits = self.engine.model.forward(tokens, batch[0].cache, "all")
-        else:
-            logits = self.engine.model.forward(tokens, DecodeBatch([s.cache for s in batch]), "all")
+        for start in range(0, len(batch), DECODE_GROUP):
+            group = batch[start : start + DECODE_GROUP]
+            tokens = np.array([s.next_token for s in group], np.int64)
+            cache = group[0].cache if len(group) == 1 else DecodeBatch([s.cache for s in group])
+            logits = self.engine.model.forward(tokens, cache, "all")  # (len(group), vocab)
+            for seq, row in zip(group, logits):
+                self._advance(seq, row)
         self.metrics.observe_step(len(batch), time.perf_counter() - t0)
-        for seq, row in zip(batch, logits):
-            self._advance(seq, row)
         return True
 
     def _advance(self, seq: _Sequence, logits: np.ndarray) -> None:
