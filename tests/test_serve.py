@@ -88,21 +88,56 @@ def test_models_health_and_metrics(tiny):
     assert metric(tiny, "omlx_kv_bytes_capacity") > 0
 
 
-def test_chat_streaming_gives_the_same_text_as_non_streaming(tiny):
+def test_chat_streams_a_role_chunk_deltas_a_finish_reason_and_usage(tiny):
+    # (a random tiny model repeats one token: the streamed text itself is checked on SmolLM2)
     c = client(tiny)
     whole = chat(c, "the streaming check", max_tokens=24)
     stream = chat(c, "the streaming check", max_tokens=24, stream=True, stream_options={"include_usage": True})
-    pieces, usage, reasons = [], None, []
-    for chunk in stream:
-        if chunk.choices:
-            pieces.append(chunk.choices[0].delta.content or "")
-            reasons.append(chunk.choices[0].finish_reason)
-        else:
-            usage = chunk.usage
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" and ch.id == chunks[0].id for ch in chunks)
+    pieces = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
     assert "".join(pieces) == whole.choices[0].message.content
-    assert reasons[-1] == whole.choices[0].finish_reason == "length"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert not chunks[-1].choices
+    usage = chunks[-1].usage
     assert usage.completion_tokens == whole.usage.completion_tokens == 24
     assert usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_decode_batch_rows_equal_each_sequence_decoded_alone(tiny_path):
+    """The batched step's hidden states (before the output layer) are bit-identical to each
+    sequence's own decode step, at different positions and over shared pools."""
+    from engine.kv.batch import DecodeBatch
+
+    engine = Engine.load(tiny_path, kv="full")
+    engine.disk_cache = False
+    prompts = [[5, 6, 7], list(range(40, 90)), [9] * 33, list(range(100, 117))]
+    pc = engine.prefix_cache()
+
+    def prefilled():
+        seqs = [pc.new_sequence(limit=TINY_CTX) for _ in prompts]
+        for seq, ids in zip(seqs, prompts):
+            engine.prefill(ids, seq)
+        return seqs
+
+    alone_seqs, batch_seqs = prefilled(), prefilled()
+    rng = np.random.default_rng(0)
+    for _ in range(40):  # crosses block boundaries (32 tokens) in every sequence
+        tokens = rng.integers(3, 200, size=len(prompts))
+        alone = []
+        for seq, t in zip(alone_seqs, tokens):
+            seq.begin_forward(np.array([t]))
+            alone.append(engine.model.hidden(np.array([t]), seq)[0])
+            seq.end_forward()
+        batch = DecodeBatch(batch_seqs)
+        batch.begin_forward(tokens)
+        together = engine.model.hidden(tokens, batch)
+        batch.end_forward()
+        assert np.array_equal(together, np.stack(alone))
+    assert [s.offset for s in batch_seqs] == [s.offset for s in alone_seqs]
+    for seq in alone_seqs + batch_seqs:
+        seq.release()
 
 
 def test_completions_from_text_and_from_token_ids(tiny):
@@ -113,20 +148,7 @@ def test_completions_from_text_and_from_token_ids(tiny):
     ids = engine.encode_prompt("the cat sat")
     r2 = c.completions.create(model="m", prompt=ids, max_tokens=12, temperature=0)
     assert r2.choices[0].text == r.choices[0].text
-    expected = engine.generate(ids, max_tokens=12)
-    assert r.choices[0].text == expected.text
-
-
-def test_stop_strings_and_seeded_sampling(tiny):
-    c = client(tiny)
-    base = chat(c, "stop here", max_tokens=24).choices[0].message.content
-    assert len(base) > 4
-    cut = base[2:4]
-    stopped = chat(c, "stop here", max_tokens=24, stop=[cut]).choices[0].message.content
-    assert stopped == base[: base.index(cut)]
-    a = chat(c, "sample", temperature=1.0, top_p=0.9, seed=7, max_tokens=16).choices[0].message.content
-    b = chat(c, "sample", temperature=1.0, top_p=0.9, seed=7, max_tokens=16).choices[0].message.content
-    assert a == b
+    assert r2.usage.prompt_tokens == r.usage.prompt_tokens == len(ids)
 
 
 def test_a_resent_conversation_and_a_shared_system_prompt_come_from_the_prefix_cache(tiny):
@@ -147,29 +169,6 @@ def test_a_resent_conversation_and_a_shared_system_prompt_come_from_the_prefix_c
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 32 and cached % 32 == 0
     assert metric(tiny, "omlx_prefix_cache_hit_ratio") > 0
-
-
-def test_greedy_tokens_alone_equal_those_inside_a_batch_of_four(tiny, tiny_path):
-    prompts = ["one apple", "two boats in the harbour", "three", "four fine folk"]
-    alone_engine = Engine.load(tiny_path, kv="full")
-    expected = [alone_engine.generate(alone_engine.encode_chat([{"role": "user", "content": p}]),
-                                      max_tokens=40).text for p in prompts]
-    c = client(tiny)
-    before = batched_steps(tiny)
-    results = [None] * 4
-    barrier = threading.Barrier(4)
-
-    def ask(i):
-        barrier.wait()
-        results[i] = chat(c, prompts[i], max_tokens=40).choices[0].message.content
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == expected
-    assert batched_steps(tiny) > before  # some steps decoded several sequences together
 
 
 def batched_steps(thread: ServerThread) -> float:
@@ -352,46 +351,87 @@ def test_serving_beyond_localhost_without_a_key_is_refused_before_loading(capsys
 
 
 # -- SmolLM2 -----------------------------------------------------------------------------------
+PROMPTS = ["Tell me about cats.", "What is the capital of France?", "Write a haiku about the sea.",
+           "Name three colors."]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):
+    thread = start(smollm2_path, max_batch=4, ctx=2048)
+    yield thread
+    thread.stop()
+
+
 @pytest.mark.slow
-def test_smollm2_greedy_text_equals_omlx_generate_alone_and_in_a_batch_of_four(smollm2_path, capsys):
+def test_smollm2_greedy_text_equals_omlx_generate_alone_and_in_a_batch_of_four(smol, smollm2_path, capsys):
     from engine import cli
 
-    prompts = ["Tell me about cats.", "What is the capital of France?", "Write a haiku about the sea.",
-               "Name three colors."]
     expected = []
-    for p in prompts:
+    for p in PROMPTS:
         assert cli.main(["generate", str(smollm2_path), "--prompt", p, "--chat", "--json", "--max-tokens", "32",
                          "--kv", "full"]) == 0
         expected.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
-    thread = start(smollm2_path, max_batch=4, ctx=2048)
-    try:
-        c = client(thread)
-        alone = chat(c, prompts[0], max_tokens=32)
-        assert alone.choices[0].message.content == expected[0]["text"]
-        assert alone.usage.completion_tokens == len(expected[0]["ids"])
-        stream = chat(c, prompts[0], max_tokens=32, stream=True)
-        assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == expected[0]["text"]
-        before = batched_steps(thread)
-        results = [None] * 4
-        barrier = threading.Barrier(4)
+    assert len({e["text"] for e in expected}) == 4
+    c = client(smol)
+    alone = chat(c, PROMPTS[0], max_tokens=32)
+    assert alone.choices[0].message.content == expected[0]["text"]
+    assert alone.usage.completion_tokens == len(expected[0]["ids"])
+    before = batched_steps(smol)
+    results = [None] * 4
+    barrier = threading.Barrier(4)
 
-        def ask(i):
-            barrier.wait()
-            results[i] = chat(c, prompts[i], max_tokens=32)
+    def ask(i):
+        barrier.wait()
+        results[i] = chat(c, PROMPTS[i], max_tokens=32)
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert [r.choices[0].message.content for r in results] == [e["text"] for e in expected]
-        assert [r.usage.completion_tokens for r in results] == [len(e["ids"]) for e in expected]
-        assert batched_steps(thread) > before
-        # a resent conversation reuses its cached blocks
-        messages = [{"role": "user", "content": prompts[0]},
-                    {"role": "assistant", "content": results[0].choices[0].message.content},
-                    {"role": "user", "content": "And dogs?"}]
-        again = c.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
-        assert again.usage.prompt_tokens_details.cached_tokens >= 32
-    finally:
-        thread.stop()
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.choices[0].message.content for r in results] == [e["text"] for e in expected]
+    assert [r.usage.completion_tokens for r in results] == [len(e["ids"]) for e in expected]
+    assert batched_steps(smol) > before  # some steps decoded several sequences together
+
+
+@pytest.mark.slow
+def test_smollm2_streamed_text_equals_the_whole_answer(smol):
+    c = client(smol)
+    whole = chat(c, PROMPTS[2], max_tokens=24)
+    stream = chat(c, PROMPTS[2], max_tokens=24, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == \
+        whole.choices[0].message.content
+    completion = client(smol).completions.create(model="m", prompt="The capital of France is", max_tokens=8,
+                                                 temperature=0)
+    streamed = client(smol).completions.create(model="m", prompt="The capital of France is", max_tokens=8,
+                                               temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == completion.choices[0].text
+    assert "Paris" in completion.choices[0].text
+
+
+@pytest.mark.slow
+def test_smollm2_stop_strings_and_seeded_sampling(smol):
+    c = client(smol)
+    base = chat(c, PROMPTS[3], max_tokens=24).choices[0].message.content
+    words = base.split()
+    assert len(words) >= 4
+    cut = " " + words[2]
+    stopped = chat(c, PROMPTS[3], max_tokens=24, stop=[cut, "zzzz"])
+    assert stopped.choices[0].message.content == base[: base.index(cut)]
+    assert stopped.choices[0].finish_reason == "stop"
+    a = chat(c, PROMPTS[0], temperature=1.0, top_p=0.95, seed=7, max_tokens=16).choices[0].message.content
+    b = chat(c, PROMPTS[0], temperature=1.0, top_p=0.95, seed=7, max_tokens=16).choices[0].message.content
+    others = {chat(c, PROMPTS[0], temperature=1.0, seed=s, max_tokens=16).choices[0].message.content
+              for s in (1, 2, 3)}
+    assert a == b and len(others | {a}) > 1
+
+
+@pytest.mark.slow
+def test_smollm2_resent_conversation_reuses_the_cached_prefix(smol):
+    c = client(smol)
+    first = chat(c, PROMPTS[1], max_tokens=24)
+    messages = [{"role": "user", "content": PROMPTS[1]},
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And of Italy?"}]
+    again = c.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
