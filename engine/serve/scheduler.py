@@ -201,9 +201,10 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def blocks_for(self, n_tokens: int) -> int:
-        """Pool blocks a sequence of n_tokens may hold in each layer (full blocks; the unfinished
-        one lives in the sequence's tail buffer)."""
-        return n_tokens // self.block_size + 1
+        """Pool blocks a sequence of n_tokens holds in each layer: its full blocks (the unfinished
+        one lives in the sequence's tail buffer). A job's sequence stores at most prompt +
+        max_tokens - 1 tokens (the last token sampled is never fed back)."""
+        return n_tokens // self.block_size
 
     def fits_budget(self, n_prompt: int, max_tokens: int) -> bool:
         """Whether a request could ever be admitted (alone, the KV budget empty)."""
@@ -246,10 +247,10 @@ class Scheduler:
             try:
                 worked = self._prefill_step() or worked
                 worked = self._decode_step() or worked
-            except Exception:  # a bug must not end the engine thread: fail what was running
+            except Exception as exc:  # a bug or MemoryError must not end the engine thread
                 log.exception("engine step failed")
                 for seq in list(self._running):
-                    self._fail(seq, EngineError("internal error in the engine step"))
+                    self._fail(seq, exc)
                 worked = True
             self._update_gauges()
             if not worked:
