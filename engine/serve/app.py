@@ -288,6 +288,8 @@ class OpenAIServer:
 
     async def _next_event(self, request: Request, job: Job, events: asyncio.Queue):
         """The job's next event; None if the client went away (the job is then cancelled)."""
+        if not events.empty():
+            return events.get_nowait()
         while True:
             try:
                 return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
@@ -357,6 +359,27 @@ class OpenAIServer:
                 body["usage"] = None
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+        def render(event) -> tuple[str, bool]:
+            """SSE text for one event, and whether it ends the stream."""
+            if isinstance(event, Token):
+                return (chunk(event.text, None) if event.text else ""), False
+            if isinstance(event, Finished):
+                out = [chunk(event.text, None)] if event.text else []
+                out.append(chunk(None if kind == "chat" else "", "length" if event.finish_reason == "length"
+                                 else "stop"))
+                if include_usage:
+                    body = {"id": job.id, "object": obj, "created": created, "model": self.model_id,
+                            "choices": [], "usage": self._usage(event)}
+                    out.append(f"data: {json.dumps(body)}\n\n")
+                out.append("data: [DONE]\n\n")
+                self.metrics.request(kind, 200)
+                return "".join(out), True
+            if isinstance(event, Failed):
+                err = self._failure(event.error)
+                self.metrics.request(kind, err.status)
+                return f"data: {json.dumps(err.body())}\n\n", True
+            return "", False  # Started
+
         async def events_out():
             event = first
             finished = False
@@ -364,27 +387,16 @@ class OpenAIServer:
                 if kind == "chat":
                     yield chunk("", None, role=True)
                 while True:
-                    if isinstance(event, Token):
-                        if event.text:
-                            yield chunk(event.text, None)
-                    elif isinstance(event, Finished):
-                        if event.text:
-                            yield chunk(event.text, None)
-                        reason = "length" if event.finish_reason == "length" else "stop"
-                        yield chunk(None if kind == "chat" else "", reason)
-                        if include_usage:
-                            body = {"id": job.id, "object": obj, "created": created, "model": self.model_id,
-                                    "choices": [], "usage": self._usage(event)}
-                            yield f"data: {json.dumps(body)}\n\n"
-                        yield "data: [DONE]\n\n"
-                        finished = True
-                        self.metrics.request(kind, 200)
-                        return
-                    elif isinstance(event, Failed):
-                        err = self._failure(event.error)
-                        yield f"data: {json.dumps(err.body())}\n\n"
-                        finished = True
-                        self.metrics.request(kind, err.status)
+                    # every event already queued goes out in one write: fewer wake-ups of the
+                    # loop thread, which shares the interpreter with the engine thread
+                    pieces = []
+                    while event is not None and not finished:
+                        text, finished = render(event)
+                        pieces.append(text)
+                        event = events.get_nowait() if not events.empty() else None
+                    if pieces and any(pieces):
+                        yield "".join(pieces)
+                    if finished:
                         return
                     event = await self._next_event(request, job, events)
                     if event is None:
