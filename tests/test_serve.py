@@ -105,12 +105,16 @@ def test_chat_streams_a_role_chunk_deltas_a_finish_reason_and_usage(tiny):
     assert usage.prompt_tokens == whole.usage.prompt_tokens
 
 
-def test_decode_batch_rows_equal_each_sequence_decoded_alone(tiny_path):
+@pytest.mark.parametrize("arch,kv", [("llama", "full"), ("llama", "k4v4"), ("gemma3", "full")])
+def test_decode_batch_rows_equal_each_sequence_decoded_alone(tmp_path, arch, kv):
     """The batched step's hidden states (before the output layer) are bit-identical to each
-    sequence's own decode step, at different positions and over shared pools."""
+    sequence's own decode step, at different positions and over shared pools (quantized KV and
+    gemma3's sliding-window layers included)."""
     from engine.kv.batch import DecodeBatch
 
-    engine = Engine.load(tiny_path, kv="full")
+    path = write_tiny_model(tmp_path / f"tiny-{arch}.gguf", arch, context_length=TINY_CTX,
+                            chat_template=CHAT_TEMPLATE, weight_type=QT.Q8_0, seed=3)
+    engine = Engine.load(path, kv=kv)
     engine.disk_cache = False
     prompts = [[5, 6, 7], list(range(40, 90)), [9] * 33, list(range(100, 117))]
     pc = engine.prefix_cache()
