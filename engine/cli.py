@@ -535,11 +535,15 @@ def cmd_serve(args) -> int:
     _check_fit(path, args)
     engine = Engine.load(path, kv=args.kv)
     limits = ServeLimits(ctx=args.ctx or engine.model.context_length, max_batch=args.max_batch,
-                         kv_tokens=args.kv_tokens, queue_timeout=args.queue_timeout)
+                         kv_tokens=args.kv_tokens, queue_timeout=args.queue_timeout,
+                         prefill_chunk=args.prefill_chunk)
     server = OpenAIServer(engine, limits, config)
     log.info("serving %s on http://%s:%d/v1 (batches of up to %d, context %d)%s", server.model_id,
              args.host, args.port, limits.max_batch, limits.ctx, "" if args.api_key else ", no API key")
-    run(server, log_level="debug" if args.verbose else "warning" if args.quiet else "info")
+    try:
+        run(server, log_level="debug" if args.verbose else "warning" if args.quiet else "info")
+    except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C: a normal end
+        pass
     return 0
 
 
@@ -727,6 +731,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "and the prefix cache (default: max-batch × ctx)")
     p.add_argument("--queue-timeout", type=float, default=60.0,
                    help="seconds a request waits for a slot or KV budget before a 429 (default 60)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens prefilled between two decode steps (default 512; smaller keeps "
+                        "running streams flowing while a long prompt is read)")
     _add_kv(p, None)
     _add_force(p)
     p.set_defaults(func=cmd_serve)

@@ -439,3 +439,41 @@ def test_smollm2_resent_conversation_reuses_the_cached_prefix(smol):
                 {"role": "user", "content": "And of Italy?"}]
     again = c.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+def test_omlx_serve_runs_from_the_command_line_and_stops_on_ctrl_c(tiny_path):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", str(tiny_path), "--port", str(port),
+                             "--kv", "full", "--ctx", "256", "--max-batch", "2"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "omlx serve did not start"
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["tiny-chat"]  # the file's stem
+        r = c.completions.create(model="tiny-chat", prompt="the cat", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
