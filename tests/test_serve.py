@@ -441,6 +441,7 @@ def test_smollm2_resent_conversation_reuses_the_cached_prefix(smol):
     assert again.usage.prompt_tokens_details.cached_tokens >= 32
 
 
+@pytest.mark.slow  # starts a process
 def test_omlx_serve_runs_from_the_command_line_and_stops_on_ctrl_c(tiny_path):
     import os
     import signal
