@@ -199,7 +199,7 @@ def _bad_requests():
         "not JSON": ("POST", "/v1/chat/completions", b"{not json"),
         "JSON array": ("POST", "/v1/chat/completions", b"[1, 2]"),
         "empty body": ("POST", "/v1/chat/completions", b""),
-        "not UTF-8": ("POST", "/v1/chat/completions", b"\xff\xfe{}"),
+        "not UTF-8": ("POST", "/v1/chat/completions", b'{"model": "\xff"}'),
         "no model": chat_with(model=_DROP),
         "unknown model": chat_with(model="gpt-9"),
         "model not a string": chat_with(model=5),
@@ -246,8 +246,6 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny):
             assert set(error) == {"message", "type", "param", "code"}, name
             assert error["message"], name
         assert http.get("/health").status_code == 200
-    statuses = {name: None for name in cases}
-    assert statuses  # every case answered above
     assert chat(client(tiny), "still serving").usage.completion_tokens == 16
 
 
