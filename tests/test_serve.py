@@ -103,6 +103,9 @@ def test_chat_streams_a_role_chunk_deltas_a_finish_reason_and_usage(tiny):
     usage = chunks[-1].usage
     assert usage.completion_tokens == whole.usage.completion_tokens == 24
     assert usage.prompt_tokens == whole.usage.prompt_tokens
+    # max_completion_tokens is max_tokens' newer name; with both, the smaller holds
+    assert chat(c, "x", max_tokens=None, max_completion_tokens=5).usage.completion_tokens == 5
+    assert chat(c, "x", max_tokens=9, max_completion_tokens=3).usage.completion_tokens == 3
 
 
 @pytest.mark.parametrize("arch,kv", [("llama", "full"), ("llama", "k4v4"), ("gemma3", "full")])
