@@ -223,6 +223,9 @@ def _bad_requests():
         "stop a number": chat_with(stop=7),
         "stream a string": chat_with(stream="yes"),
         "seed a float": chat_with(seed=1.5),
+        "negative seed": chat_with(seed=-1),
+        "temperature NaN": ("POST", "/v1/chat/completions",
+                            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'),
         "stream_options without stream": chat_with(stream_options={"include_usage": True}),
         "prompt longer than the context": chat_with(messages=[{"role": "user", "content": long_text}]),
         "body too large": ("POST", "/v1/chat/completions", b'{"model": "m", "pad": "' + b"x" * (5 << 20) + b'"}'),
@@ -479,3 +482,29 @@ def test_omlx_serve_runs_from_the_command_line_and_stops_on_ctrl_c(tiny_path):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+
+
+def test_an_engine_failure_fails_the_running_request_and_the_engine_thread_goes_on(tiny_path):
+    thread = start(tiny_path, max_batch=2)
+    try:
+        model = thread.server.engine.model
+        real_forward = model.forward
+        calls = {"n": 0}
+
+        def failing_once(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected failure")
+            return real_forward(*args, **kwargs)
+
+        model.forward = failing_once
+        r = httpx.post(thread.url + "/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 500
+        assert r.json()["error"]["code"] == "internal" and "injected failure" in r.json()["error"]["message"]
+        assert chat(client(thread), "again", max_tokens=4).usage.completion_tokens == 4
+        scheduler = thread.server.scheduler
+        wait_idle(thread)
+        assert scheduler.call(scheduler.sequence_blocks) == 0
+    finally:
+        thread.stop()

@@ -240,19 +240,24 @@ class Scheduler:
         log.info("engine thread: batches of up to %d sequences, KV budget %d tokens per layer (%d blocks of %d)",
                  self.limits.max_batch, self.kv_tokens, self.max_blocks, self.block_size)
         while not self._stopping:
-            self._run_calls()
-            self._take_new()
-            self._admit()
             worked = False
             try:
+                self._run_calls()
+                self._take_new()
+                self._admit()
                 worked = self._prefill_step() or worked
                 worked = self._decode_step() or worked
+                self._update_gauges()
             except Exception as exc:  # a bug or MemoryError must not end the engine thread
                 log.exception("engine step failed")
                 for seq in list(self._running):
-                    self._fail(seq, exc)
+                    try:
+                        self._fail(seq, exc)
+                    except Exception:
+                        log.exception("releasing a failed sequence failed")
+                        if seq in self._running:
+                            self._running.remove(seq)
                 worked = True
-            self._update_gauges()
             if not worked:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
@@ -314,11 +319,11 @@ class Scheduler:
             cache = self.prefix.new_sequence(limit=self.limits.ctx, overflow="stop")
             try:
                 reuse = self.prefix.attach(cache, job.prompt_ids)
-            except Exception as exc:
+                seq = _Sequence(job, cache, self.engine, reuse.tokens, need)
+            except Exception as exc:  # e.g. a saved prefix that cannot be read: this job only
                 cache.release()
                 self._send(job, Failed(exc))
                 continue
-            seq = _Sequence(job, cache, self.engine, reuse.tokens, need)
             self._running.append(seq)
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
             self.metrics.cached_tokens.inc(reuse.tokens)
