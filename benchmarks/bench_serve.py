@@ -54,7 +54,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"the server exited with {proc.returncode}: {err[-2000:]}")
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                 return
@@ -73,7 +74,8 @@ def start_omlx(model: Path, port: int, ctx: int) -> subprocess.Popen:
 
 def llama_server_args(python: str) -> list[str] | None:
     """The llama_cpp.server command line for `python`, or None when it cannot import it."""
-    probe = subprocess.run([python, "-c", "import llama_cpp.server"], capture_output=True)
+    # the server's own imports (uvicorn, fastapi, ...): llama_cpp.server imports without them
+    probe = subprocess.run([python, "-c", "import uvicorn, llama_cpp.server.app"], capture_output=True)
     if probe.returncode != 0:
         return None
     help_text = subprocess.run([python, "-m", "llama_cpp.server", "--help"], capture_output=True, text=True).stdout
