@@ -523,6 +523,30 @@ def cmd_kv_tune(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """An OpenAI-compatible server on --host:--port until interrupted."""
+    from .engine import Engine
+    from .serve import OpenAIServer, ServeConfig, ServeLimits, run
+
+    model_id = Path(args.model).stem if args.model.lower().endswith(".gguf") else args.model
+    config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key, model_id=model_id)
+    config.validate()  # a public host without a key is refused before the model loads
+    path = _resolve(args.model)
+    _check_fit(path, args)
+    engine = Engine.load(path, kv=args.kv)
+    limits = ServeLimits(ctx=args.ctx or engine.model.context_length, max_batch=args.max_batch,
+                         kv_tokens=args.kv_tokens, queue_timeout=args.queue_timeout,
+                         prefill_chunk=args.prefill_chunk)
+    server = OpenAIServer(engine, limits, config)
+    log.info("serving %s on http://%s:%d/v1 (batches of up to %d, context %d)%s", server.model_id,
+             args.host, args.port, limits.max_batch, limits.ctx, "" if args.api_key else ", no API key")
+    try:
+        run(server, log_level="debug" if args.verbose else "warning" if args.quiet else "info")
+    except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C: a normal end
+        pass
+    return 0
+
+
 # -- parser ------------------------------------------------------------------------------------
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
@@ -692,6 +716,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="beside each quantized spec, per-layer widths tuned for its bytes (omlx kv-tune)")
     _add_force(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible server (chat, completions, models, metrics) "
+                       "with continuous batching")
+    p.add_argument("model", nargs="?", default=catalog.DEFAULT_MODEL, help=model_help)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; any other needs --api-key)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request but /health")
+    p.add_argument("--ctx", type=int, help="context per request in tokens, prompt and completion "
+                   "(default: the model's)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
+    p.add_argument("--kv-tokens", type=int, help="KV budget in tokens per layer, shared by all requests "
+                   "and the prefix cache (default: max-batch × ctx)")
+    p.add_argument("--queue-timeout", type=float, default=60.0,
+                   help="seconds a request waits for a slot or KV budget before a 429 (default 60)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens prefilled between two decode steps (default 512; smaller keeps "
+                        "running streams flowing while a long prompt is read)")
+    _add_kv(p, None)
+    _add_force(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("kv-tune", help="per-layer K and V widths chosen from measured sensitivity for a byte budget")
     p.add_argument("model", help=model_help)

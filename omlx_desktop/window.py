@@ -37,6 +37,7 @@ from .hub_dialog import HubDialog
 from .model_controller import ModelController, model_text
 from .protocol import Configure, Shutdown
 from .remote_dialog import RemoteDialog
+from .serve_panel import install as install_serve_panel
 from .smoke import SmokeTestDriver
 from .store import Store
 from .ui import APP_TITLE, DEFAULT_MAX_TOKENS, setup_widgets
@@ -86,6 +87,7 @@ class MainWindow(QMainWindow):
         self.conversations = ConversationsController(self)
         self.chat = ChatController(self)
         self.docs = DocumentsController(self)
+        self.serve_panel = install_serve_panel(self)
         self._connect_widgets()
         self._build_actions()
         self._start_worker()
@@ -381,6 +383,7 @@ class MainWindow(QMainWindow):
             self.hub_dialog.shutdown()
             self.hub_dialog.close()
         self.chart.set_paused(True)
+        self.serve_panel.shutdown()
         self.request(Shutdown())
         self.thread.quit()
         if not self.wait_for_engine(CLOSE_WAIT_MS):

@@ -128,6 +128,11 @@ class KVCache:
     def offset(self) -> int:
         return self.layers[0].offset if self.layers else 0
 
+    def positions(self, n_tokens: int) -> np.ndarray:
+        """(n_tokens,) positions of the tokens a forward pass appends next: offset, offset+1, ...
+        (a batch of sequences, `kv.batch.DecodeBatch`, gives each row its own sequence's offset)."""
+        return self.offset + np.arange(n_tokens)
+
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)

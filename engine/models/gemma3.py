@@ -150,7 +150,7 @@ class Model(BaseModel):
 
     def hidden(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         a = self.args
-        positions = cache.offset + np.arange(tokens.shape[0])
+        positions = cache.positions(tokens.shape[0])
         rope_local = rope_tables(positions, a.head_dim, a.rope_base_local)
         rope_global = rope_tables(positions, a.head_dim, a.rope_base_global, a.rope_freq_scale_global)
         x = self.token_embd.lookup(tokens) * self.embed_scale

@@ -163,7 +163,7 @@ class Model(BaseModel):
 
     def hidden(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         a = self.args
-        positions = cache.offset + np.arange(tokens.shape[0])
+        positions = cache.positions(tokens.shape[0])
         rope_tables = self.rope.tables(positions)
         x = self.token_embd.lookup(tokens)
         for layer, block in enumerate(self.layers):

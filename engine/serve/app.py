@@ -1,0 +1,463 @@
+"""The HTTP side of `omlx serve`: a Starlette app whose handlers validate a request, tokenize it
+and hand it to the `Scheduler`'s engine thread, then answer with the result or stream it as
+server-sent events. Served by uvicorn (`run`, or `ServerThread` for tests and the desktop app).
+
+Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/chat/completions,
+POST /v1/completions. Every failure is OpenAI's error object with a 4xx status (a 5xx only for an
+engine failure that is not the request's fault).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..engine import Engine
+from ..errors import ContextFull, KVPoolFull, OmlxError, SettingsError, describe
+from .metrics import Metrics
+from .protocol import ApiError, bad, parse_chat, parse_completion
+from .scheduler import Failed, Finished, Job, QueueTimeout, Scheduler, ServeLimits, Started, Token
+
+log = logging.getLogger("omlx.serve")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+MAX_BODY_BYTES = 4 << 20  # request bodies above this are refused (413) before they are parsed
+RETRY_AFTER_S = 5  # the Retry-After of a 429: a guess at when a slot or KV budget frees up
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks whether its client left
+
+
+@dataclass
+class ServeConfig:
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    model_id: str | None = None  # the id /v1/models lists (default: the engine's name)
+
+    def validate(self) -> None:
+        """Refuse to listen beyond this machine without a key (SettingsError)."""
+        if not is_loopback(self.host) and not self.api_key:
+            raise SettingsError(
+                f"refusing to serve on {self.host} without an API key: any host other than 127.0.0.1 "
+                "(or ::1 / localhost) is reachable from other machines; give --api-key KEY "
+                "(clients then send 'Authorization: Bearer KEY')")
+        if not 0 <= self.port <= 65535:
+            raise SettingsError(f"--port must be between 0 and 65535, not {self.port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise SettingsError("--api-key must not be empty")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class OpenAIServer:
+    """The app and the scheduler behind it. `app` is the ASGI application; the scheduler is
+    started with the app (lifespan) and stopped with it."""
+
+    def __init__(self, engine: Engine, limits: ServeLimits, config: ServeConfig | None = None):
+        self.config = config or ServeConfig()
+        self.config.validate()
+        self.engine = engine
+        self.limits = limits
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(engine, limits, self.metrics)
+        self.model_id = self.config.model_id or engine.name
+        # the names a request may use for the model: the listed id, the file's name and stem
+        self.served_ids = tuple(dict.fromkeys([self.model_id, engine.name, engine.path.name, engine.path.stem]))
+        self.created = int(time.time())
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan,
+                             exception_handlers={404: self._not_found, 405: self._not_allowed})
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _lifespan(self, app):
+        server = self
+
+        class _Lifespan:
+            async def __aenter__(self):
+                if not server.scheduler.running:
+                    server.scheduler.start()
+
+            async def __aexit__(self, *exc):
+                await run_in_threadpool(server.scheduler.stop)
+
+        return _Lifespan()
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _error(self, endpoint: str, err: ApiError) -> JSONResponse:
+        self.metrics.request(endpoint, err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    async def _not_found(self, request: Request, exc) -> JSONResponse:
+        return self._error("other", ApiError(404, f"no route {request.method} {request.url.path}",
+                                             code="not_found"))
+
+    async def _not_allowed(self, request: Request, exc) -> JSONResponse:
+        return self._error("other", ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                                             code="method_not_allowed"))
+
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def _json_body(self, request: Request):
+        limit = self.config.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise bad("bad Content-Length header", None, "invalid_request")
+            if int(length) > limit:
+                raise ApiError(413, f"the request body is {int(length):,} bytes; the limit is {limit:,}",
+                               code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body exceeds the limit of {limit:,} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise bad("the request body is empty; send a JSON object", None, "invalid_json")
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise bad(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise bad(f"the request body must be a JSON object, not {type(body).__name__}", None, "invalid_type")
+        return body
+
+    # -- simple routes -------------------------------------------------------------------------
+    async def health(self, request: Request) -> JSONResponse:
+        ok = self.scheduler.running
+        self.metrics.request("health", 200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else "stopped", "model": self.model_id},
+                            status_code=200 if ok else 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except ApiError as err:
+            return self._error("metrics", err)
+        self.metrics.request("metrics", 200)
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def _model_object(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "omlx",
+                "context_length": self.limits.ctx}
+
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+        except ApiError as err:
+            return self._error("models", err)
+        self.metrics.request("models", 200)
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+            if request.path_params["model_id"] not in self.served_ids:
+                raise ApiError(404, f"the model '{request.path_params['model_id']}' does not exist",
+                               param="model", code="model_not_found")
+        except ApiError as err:
+            return self._error("models", err)
+        self.metrics.request("models", 200)
+        return JSONResponse(self._model_object())
+
+    # -- generation ----------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions")
+
+    def _encode(self, kind: str, req) -> list[int]:
+        e = self.engine
+        if kind == "chat":
+            if not e.has_chat_template:
+                raise bad(f"{self.model_id} has no chat template: use /v1/completions", "messages",
+                          "unsupported_model")
+            try:
+                return e.encode_chat(req.messages)
+            except OmlxError as exc:
+                raise bad(f"the messages cannot be rendered with the model's chat template: {exc}",
+                          "messages") from None
+            except Exception as exc:  # a template raising on an unusual conversation (jinja)
+                raise bad(f"the messages cannot be rendered with the model's chat template: {exc}",
+                          "messages") from None
+        if isinstance(req.prompt, list):
+            return list(req.prompt)
+        return e.encode_prompt(req.prompt)
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        try:
+            self._authorize(request)
+            body = await self._json_body(request)
+            if kind == "chat":
+                req = parse_chat(body, self.served_ids)
+            else:
+                req = parse_completion(body, self.served_ids, self.engine.model.vocab_size)
+            prompt_ids = await run_in_threadpool(self._encode, kind, req)
+            if not prompt_ids:
+                raise bad("the prompt has no tokens", "messages" if kind == "chat" else "prompt")
+            ctx = min(self.limits.ctx, self.engine.model.context_length)
+            if len(prompt_ids) >= ctx:
+                raise bad(f"the prompt is {len(prompt_ids):,} tokens; this server's context holds {ctx:,} "
+                          "(prompt and completion together)", "messages" if kind == "chat" else "prompt",
+                          "context_length_exceeded")
+            room = ctx - len(prompt_ids)
+            max_tokens = room if req.max_tokens is None else req.max_tokens
+            if max_tokens > room:
+                raise bad(f"max_tokens is {max_tokens:,} but the prompt ({len(prompt_ids):,} tokens) leaves "
+                          f"room for {room:,} in this server's context of {ctx:,}", "max_tokens",
+                          "context_length_exceeded")
+            if not self.scheduler.fits_budget(len(prompt_ids), max_tokens):
+                raise bad(f"the prompt and max_tokens ({len(prompt_ids) + max_tokens:,} tokens) exceed the "
+                          f"server's KV budget of {self.scheduler.kv_tokens:,} tokens", "max_tokens",
+                          "context_length_exceeded")
+        except ClientDisconnect:
+            self.metrics.request(kind, 499)
+            return Response(status_code=499)
+        except ApiError as err:
+            return self._error(kind, err)
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(event) -> None:  # the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=req.sampling, sink=sink,
+                  stop=req.stop, id=prefix + uuid.uuid4().hex[:24])
+        try:
+            self.scheduler.submit(job)
+        except OmlxError as exc:
+            return self._error(kind, ApiError(503, exc.user_message, type="server_error", code="unavailable"))
+        if req.stream:
+            return await self._stream(request, kind, job, events, req.include_usage)
+        return await self._complete(request, kind, job, events)
+
+    def _usage(self, fin: Finished) -> dict:
+        return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
+                "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+
+    def _failure(self, exc: BaseException) -> ApiError:
+        if isinstance(exc, QueueTimeout):
+            return ApiError(429, exc.user_message, type="rate_limit_error", code="kv_budget_exhausted",
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        if isinstance(exc, (ContextFull, KVPoolFull)):
+            return ApiError(400, exc.user_message, code="context_length_exceeded")
+        kind, message = describe(exc)
+        return ApiError(503 if kind == "out_of_memory" else 500, message, type="server_error", code=kind)
+
+    async def _next_event(self, request: Request, job: Job, events: asyncio.Queue):
+        """The job's next event; None if the client went away (the job is then cancelled)."""
+        if not events.empty():
+            return events.get_nowait()
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.scheduler.cancel(job)
+                    return None
+
+    async def _complete(self, request: Request, kind: str, job: Job, events: asyncio.Queue) -> Response:
+        pieces: list[str] = []
+        try:
+            while True:
+                event = await self._next_event(request, job, events)
+                if event is None:
+                    self.metrics.request(kind, 499)
+                    return Response(status_code=499)
+                if isinstance(event, Token):
+                    pieces.append(event.text)
+                elif isinstance(event, Failed):
+                    return self._error(kind, self._failure(event.error))
+                elif isinstance(event, Finished):
+                    pieces.append(event.text)
+                    break
+        except asyncio.CancelledError:
+            self.scheduler.cancel(job)
+            raise
+        text = "".join(pieces)
+        reason = "length" if event.finish_reason == "length" else "stop"
+        created = int(time.time())
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+            body = {"id": job.id, "object": "chat.completion", "created": created, "model": self.model_id,
+                    "choices": [choice], "usage": self._usage(event), "system_fingerprint": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            body = {"id": job.id, "object": "text_completion", "created": created, "model": self.model_id,
+                    "choices": [choice], "usage": self._usage(event)}
+        self.metrics.request(kind, 200)
+        return JSONResponse(body)
+
+    async def _stream(self, request: Request, kind: str, job: Job, events: asyncio.Queue,
+                      include_usage: bool) -> Response:
+        # The first event decides the status: a request that times out in the queue is a 429,
+        # not a stream that starts and then fails.
+        first = await self._next_event(request, job, events)
+        if first is None:
+            self.metrics.request(kind, 499)
+            return Response(status_code=499)
+        if isinstance(first, Failed):
+            return self._error(kind, self._failure(first.error))
+        created = int(time.time())
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(delta: str | None, reason: str | None, role: bool = False) -> str:
+            if kind == "chat":
+                d = {}
+                if role:
+                    d["role"] = "assistant"
+                if delta is not None:
+                    d["content"] = delta
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+            body = {"id": job.id, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def render(event) -> tuple[str, bool]:
+            """SSE text for one event, and whether it ends the stream."""
+            if isinstance(event, Token):
+                return (chunk(event.text, None) if event.text else ""), False
+            if isinstance(event, Finished):
+                out = [chunk(event.text, None)] if event.text else []
+                out.append(chunk(None if kind == "chat" else "", "length" if event.finish_reason == "length"
+                                 else "stop"))
+                if include_usage:
+                    body = {"id": job.id, "object": obj, "created": created, "model": self.model_id,
+                            "choices": [], "usage": self._usage(event)}
+                    out.append(f"data: {json.dumps(body)}\n\n")
+                out.append("data: [DONE]\n\n")
+                self.metrics.request(kind, 200)
+                return "".join(out), True
+            if isinstance(event, Failed):
+                err = self._failure(event.error)
+                self.metrics.request(kind, err.status)
+                return f"data: {json.dumps(err.body())}\n\n", True
+            return "", False  # Started
+
+        async def events_out():
+            event = first
+            finished = False
+            try:
+                if kind == "chat":
+                    yield chunk("", None, role=True)
+                while True:
+                    # every event already queued goes out in one write: fewer wake-ups of the
+                    # loop thread, which shares the interpreter with the engine thread
+                    pieces = []
+                    while event is not None and not finished:
+                        text, finished = render(event)
+                        pieces.append(text)
+                        event = events.get_nowait() if not events.empty() else None
+                    if pieces and any(pieces):
+                        yield "".join(pieces)
+                    if finished:
+                        return
+                    event = await self._next_event(request, job, events)
+                    if event is None:
+                        return
+            finally:
+                if not finished:  # the client went away mid-stream (the task was cancelled)
+                    self.scheduler.cancel(job)
+                    self.metrics.request(kind, 499)
+
+        return StreamingResponse(events_out(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# -- running ------------------------------------------------------------------------------------
+def _uvicorn_config(server: OpenAIServer, log_level: str):
+    import uvicorn
+
+    return uvicorn.Config(server.app, host=server.config.host, port=server.config.port, log_level=log_level,
+                          access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+
+
+def run(server: OpenAIServer, log_level: str = "info") -> None:
+    """Serve until interrupted (Ctrl-C), in this thread."""
+    import uvicorn
+
+    uvicorn.Server(_uvicorn_config(server, log_level)).run()
+
+
+class ServerThread:
+    """uvicorn in a background thread (tests, the desktop app's serve switch). `start()` returns
+    once the socket listens; `url` is then the base URL (with the port the OS chose for port 0)."""
+
+    def __init__(self, server: OpenAIServer, log_level: str = "warning"):
+        import uvicorn
+
+        self.server = server
+        self._uvicorn = uvicorn.Server(_uvicorn_config(server, log_level))
+        self._uvicorn.install_signal_handlers = lambda: None  # not the main thread
+        self._thread = threading.Thread(target=self._uvicorn.run, name="omlx-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"the server did not start on {self.server.config.host}:{self.server.config.port}")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        sockets = [s for srv in self._uvicorn.servers for s in srv.sockets]
+        return sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        host = self.server.config.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}"
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout)
+        self.server.scheduler.stop()

@@ -1,0 +1,127 @@
+"""The server's counters, gauges and the TTFT histogram, rendered in the Prometheus text
+exposition format (version 0.0.4) for GET /metrics. Updated from the engine thread and the
+request handlers; every value sits behind one lock."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter as _Tally
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # sequences per decode step
+
+_lock = threading.Lock()
+
+
+class _Value:
+    def __init__(self):
+        self.value = 0.0
+
+    def inc(self, n: float = 1.0) -> None:
+        with _lock:
+            self.value += n
+
+    def dec(self, n: float = 1.0) -> None:
+        with _lock:
+            self.value -= n
+
+    def set(self, v: float) -> None:
+        with _lock:
+            self.value = float(v)
+
+
+class _Histogram:
+    def __init__(self, buckets):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # the last: above every bound (+Inf only)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        with _lock:
+            self.counts[bisect.bisect_left(self.buckets, v)] += 1
+            self.sum += v
+            self.count += 1
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+class Metrics:
+    def __init__(self):
+        self.requests = _Tally()  # (endpoint, HTTP status) → count
+        self.finish_reasons = _Tally()
+        self.prompt_tokens = _Value()
+        self.cached_tokens = _Value()
+        self.generated_tokens = _Value()
+        self.queue_length = _Value()
+        self.queue_timeouts = _Value()
+        self.running = _Value()
+        self.kv_bytes_in_use = _Value()
+        self.kv_bytes_allocated = _Value()
+        self.kv_bytes_capacity = _Value()
+        self.ttft = _Histogram(TTFT_BUCKETS)
+        self.batch_size = _Histogram(BATCH_BUCKETS)
+        self.decode_seconds = _Value()
+
+    def request(self, endpoint: str, status: int) -> None:
+        with _lock:
+            self.requests[(endpoint, int(status))] += 1
+
+    def finished(self, reason: str) -> None:
+        with _lock:
+            self.finish_reasons[reason] += 1
+
+    def observe_step(self, n_sequences: int, seconds: float) -> None:
+        self.batch_size.observe(n_sequences)
+        self.decode_seconds.inc(seconds)
+
+    def render(self) -> str:
+        lines: list[str] = []
+
+        def metric(name, kind, help_text, samples):
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                label = "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else ""
+                lines.append(f"{name}{label} {_num(value)}")
+
+        def histogram(name, help_text, h: _Histogram):
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} histogram")
+            running = 0
+            for bound, count in zip(h.buckets, h.counts):
+                running += count
+                lines.append(f'{name}_bucket{{le="{_num(bound)}"}} {running}')
+            lines.append(f'{name}_bucket{{le="+Inf"}} {h.count}')
+            lines.append(f"{name}_sum {_num(h.sum)}")
+            lines.append(f"{name}_count {h.count}")
+
+        with _lock:
+            prompt, cached = self.prompt_tokens.value, self.cached_tokens.value
+            metric("omlx_requests_total", "counter", "HTTP requests answered, by endpoint and status",
+                   [((("endpoint", e), ("status", s)), n) for (e, s), n in sorted(self.requests.items())])
+            metric("omlx_finished_sequences_total", "counter", "sequences ended, by reason",
+                   [((("reason", r),), n) for r, n in sorted(self.finish_reasons.items())])
+            metric("omlx_prompt_tokens_total", "counter", "prompt tokens of admitted requests", [((), prompt)])
+            metric("omlx_cached_prompt_tokens_total", "counter",
+                   "prompt tokens taken from the prefix cache instead of prefilled", [((), cached)])
+            metric("omlx_generated_tokens_total", "counter", "tokens generated", [((), self.generated_tokens.value)])
+            metric("omlx_prefix_cache_hit_ratio", "gauge", "cached prompt tokens / prompt tokens",
+                   [((), cached / prompt if prompt else 0.0)])
+            metric("omlx_queue_length", "gauge", "requests waiting for a slot or KV budget",
+                   [((), self.queue_length.value)])
+            metric("omlx_queue_timeouts_total", "counter", "requests answered 429 after waiting",
+                   [((), self.queue_timeouts.value)])
+            metric("omlx_running_sequences", "gauge", "sequences prefilling or decoding", [((), self.running.value)])
+            metric("omlx_kv_bytes_in_use", "gauge", "KV pool rows in use (sequences and prefix cache)",
+                   [((), self.kv_bytes_in_use.value)])
+            metric("omlx_kv_bytes_allocated", "gauge", "KV pool slabs allocated", [((), self.kv_bytes_allocated.value)])
+            metric("omlx_kv_bytes_capacity", "gauge", "KV budget: every pool's max blocks",
+                   [((), self.kv_bytes_capacity.value)])
+            metric("omlx_decode_seconds_total", "counter", "time in decode steps", [((), self.decode_seconds.value)])
+            histogram("omlx_ttft_seconds", "request arrival to first token", self.ttft)
+            histogram("omlx_decode_batch_size", "sequences per decode step", self.batch_size)
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,216 @@
+"""The OpenAI request bodies the server accepts, checked field by field, and the error shape it
+answers with: ``{"error": {"message", "type", "param", "code"}}`` and a 4xx status.
+
+Accepted (anything else a client commonly sends, e.g. `user`, is ignored; fields this engine
+cannot honour are refused rather than silently dropped):
+    chat:        model, messages, max_tokens | max_completion_tokens, temperature, top_p, stop,
+                 seed, n (1), stream, stream_options.include_usage; presence/frequency_penalty 0
+    completions: model, prompt (a string, a one-string list, or a list of token ids), and the
+                 same sampling fields
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..sampling import SamplingParams
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: HTTP `status` and the error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass
+class GenerationRequest:
+    """What both endpoints ask the scheduler for."""
+
+    model: str
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+@dataclass
+class ChatRequest(GenerationRequest):
+    messages: list[dict] = None
+
+
+@dataclass
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int] = ""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_number(v):
+        raise bad(f"'{name}' must be a number, not {type(v).__name__}", name, "invalid_type")
+    if not lo <= v <= hi:
+        raise bad(f"'{name}' must be between {lo:g} and {hi:g}, not {v}", name)
+    return float(v)
+
+
+def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_type")
+    model = body.get("model")
+    if model is None:
+        raise bad("'model' is required", "model", "missing_required_parameter")
+    if not isinstance(model, str):
+        raise bad(f"'model' must be a string, not {type(model).__name__}", "model", "invalid_type")
+    if model not in served_ids:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_ids[0]}'",
+                       param="model", code="model_not_found")
+    max_tokens = None
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = body.get(name)
+        if v is None:
+            continue
+        if not _is_int(v):
+            raise bad(f"'{name}' must be an integer, not {type(v).__name__}", name, "invalid_type")
+        if v < 1:
+            raise bad(f"'{name}' must be at least 1, not {v}", name)
+        max_tokens = v if max_tokens is None else min(max_tokens, v)
+    n = body.get("n")
+    if n is not None:
+        if not _is_int(n):
+            raise bad(f"'n' must be an integer, not {type(n).__name__}", "n", "invalid_type")
+        if n != 1:
+            raise bad("only n=1 is supported", "n", "unsupported_value")
+    temperature = _number(body, "temperature", 0.0, 2.0, 1.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise bad("'top_p' must be greater than 0", "top_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, -2.0, 2.0, 0.0) != 0.0:
+            raise bad(f"'{name}' is not supported (only 0)", name, "unsupported_value")
+    if body.get("logprobs") not in (None, False):
+        raise bad("'logprobs' is not supported", "logprobs", "unsupported_value")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise bad(f"'seed' must be an integer, not {type(seed).__name__}", "seed", "invalid_type")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOP_STRINGS:
+            raise bad(f"at most {MAX_STOP_STRINGS} stop strings, not {len(stop)}", "stop")
+        stops = tuple(stop)
+    else:
+        raise bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if any(s == "" for s in stops):
+        raise bad("stop strings must not be empty", "stop")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad(f"'stream' must be a boolean, not {type(stream).__name__}", "stream", "invalid_type")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
+        if not stream:
+            raise bad("'stream_options' is only allowed with stream=true", "stream_options")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise bad("'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type")
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    return GenerationRequest(model, max_tokens, sampling, stops, stream, include_usage)
+
+
+def _message_text(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content",
+                          "unsupported_value")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content",
+              "invalid_type")
+
+
+def parse_chat(body, served_ids: tuple[str, ...]) -> ChatRequest:
+    common = _common(body, served_ids)
+    messages = body.get("messages")
+    if messages is None:
+        raise bad("'messages' is required", "messages", "missing_required_parameter")
+    if not isinstance(messages, list):
+        raise bad("'messages' must be a list", "messages", "invalid_type")
+    if not messages:
+        raise bad("'messages' must not be empty", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}",
+                      f"messages[{i}].role")
+        if "content" not in m or m["content"] is None:
+            raise bad(f"messages[{i}].content is required", f"messages[{i}].content", "missing_required_parameter")
+        out.append({"role": "system" if role == "developer" else role, "content": _message_text(m["content"], i)})
+    return ChatRequest(**common.__dict__, messages=out)
+
+
+def parse_completion(body, served_ids: tuple[str, ...], vocab_size: int) -> CompletionRequest:
+    common = _common(body, served_ids)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad("'prompt' is required", "prompt", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("'prompt' must not be empty", "prompt")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        bad_ids = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad_ids:
+            raise bad(f"token id {bad_ids[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise bad("only one prompt per request is supported (n=1)", "prompt", "unsupported_value")
+    else:
+        raise bad("'prompt' must be a string, a list with one string, or a list of token ids", "prompt",
+                  "invalid_type")
+    if body.get("echo") not in (None, False):
+        raise bad("'echo' is not supported", "echo", "unsupported_value")
+    if body.get("suffix") not in (None, ""):
+        raise bad("'suffix' is not supported", "suffix", "unsupported_value")
+    return CompletionRequest(**common.__dict__, prompt=prompt)

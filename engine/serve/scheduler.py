@@ -1,0 +1,437 @@
+"""Continuous batching in one engine thread.
+
+Request handlers (any thread, usually the asyncio loop) `submit` a `Job` and receive its events
+through the job's `sink`, which the engine thread calls; `cancel` (or the job's own `cancelled`
+event) stops it at the next token boundary and frees its blocks. Only the engine thread touches
+the model, the caches and the prefix cache.
+
+One turn of the loop:
+
+    1. take new jobs; drop cancelled ones; answer jobs that waited past `queue_timeout` for room
+       with QueueTimeout (the HTTP layer's 429)
+    2. admit waiting jobs in arrival order while there is a free slot (`max_batch` sequences)
+       and the KV budget holds their worst case (below); an admitted job starts on the longest
+       cached prefix of its prompt (the prefix cache), the rest is left to prefill
+    3. prefill one chunk of the oldest admitted job still prefilling (chunks between decode
+       steps keep running streams flowing); its last chunk samples its first token
+    4. one decode step for every sequence past prefill: their tokens go through the model
+       together (`kv.batch.DecodeBatch`: the linear layers see one row per sequence, one pass over
+       the weights for up to DECODE_GROUP sequences), each samples its next token; finished
+       sequences release their blocks
+
+KV budget: every pool has `max_blocks`. An admitted sequence reserves the blocks of its worst
+case, prompt + max_tokens tokens; admission needs the reservations of all running sequences
+plus the new one to fit in `max_blocks` less the blocks pinned in the prefix cache. Blocks the
+prefix cache holds for no sequence are evicted on demand, and shared blocks count in each
+reservation, so a running sequence always finds its blocks: it is never failed for lack of KV
+memory; a new one waits instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..engine import Engine
+from ..errors import ContextFull, EngineError, KVPoolFull, OmlxError
+from ..kv.batch import DecodeBatch
+from ..memory import release_free_heap
+from ..sampling import Sampler, SamplingParams, StopStringMatcher
+from ..weights import QuantLinear
+from .metrics import Metrics
+
+log = logging.getLogger("omlx.serve")
+
+IDLE_WAIT_S = 0.05  # how long an idle engine thread sleeps before looking at queue deadlines again
+# Sequences per forward pass of a decode step: the rows quantized matrices multiply with the fused
+# kernels, which compute every row of x exactly as they compute it alone (so greedy output is the
+# same alone or in a batch). A larger batch is decoded in several passes of this many rows; BLAS
+# (the path for more rows) would round differently.
+DECODE_GROUP = QuantLinear.MATVEC_MAX_ROWS
+
+
+class QueueTimeout(OmlxError):
+    """A request waited `queue_timeout` seconds without a free slot or KV budget."""
+
+    kind = "queue_timeout"
+
+
+# -- events the engine thread sends to a job's sink ---------------------------------------------
+@dataclass
+class Started:
+    """Admitted: `cached_tokens` of the prompt come from the prefix cache."""
+
+    cached_tokens: int
+
+
+@dataclass
+class Token:
+    token_id: int
+    text: str  # text this token completes (may be empty: an unfinished UTF-8 character, a held stop)
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop", "length" (max_tokens or the context), "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    text: str  # any text held back until the end (the stream decoder's and stop matcher's rest)
+    ttft_s: float | None
+
+
+@dataclass
+class Failed:
+    error: BaseException
+
+
+@dataclass
+class Job:
+    """One request for the scheduler. `sink` is called on the engine thread with Started, Token...,
+    then exactly one Finished or Failed; it must not block."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    sink: Callable[[object], None]
+    stop: tuple[str, ...] = ()
+    id: str = ""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class ServeLimits:
+    """Scheduler settings: `ctx` tokens per sequence (prompt + generated), at most `max_batch`
+    sequences at once, `kv_tokens` tokens per layer pool (None: max_batch × ctx), waiting at most
+    `queue_timeout` seconds for room, prompts prefilled `prefill_chunk` tokens at a time."""
+
+    ctx: int
+    max_batch: int = 8
+    kv_tokens: int | None = None
+    queue_timeout: float = 60.0
+    prefill_chunk: int = 512
+
+    def validate(self, model_context: int) -> None:
+        if not 16 <= self.ctx <= model_context:
+            raise EngineError(f"--ctx must be between 16 and the model's context of {model_context:,} tokens, "
+                              f"not {self.ctx:,}")
+        if not 1 <= self.max_batch <= 256:
+            raise EngineError(f"--max-batch must be between 1 and 256, not {self.max_batch}")
+        if self.kv_tokens is not None and self.kv_tokens < self.ctx:
+            raise EngineError(f"the KV budget ({self.kv_tokens:,} tokens) must hold at least one "
+                              f"sequence of --ctx {self.ctx:,} tokens")
+        if self.queue_timeout <= 0:
+            raise EngineError("the queue timeout must be positive")
+        if self.prefill_chunk < 1:
+            raise EngineError("the prefill chunk must be at least one token")
+
+
+class _Sequence:
+    """An admitted job's state on the engine thread."""
+
+    def __init__(self, job: Job, cache, engine: Engine, reuse_tokens: int, reserved_blocks: int):
+        self.job = job
+        self.cache = cache
+        self.cached_tokens = reuse_tokens
+        self.pending = list(job.prompt_ids[reuse_tokens:])  # prompt tokens still to prefill
+        self.reserved_blocks = reserved_blocks
+        self.sampler = Sampler(job.sampling)
+        self.decoder = engine.tokenizer.stream_decoder(skip_special=True)
+        self.matcher = StopStringMatcher(job.stop)
+        self.history = list(job.prompt_ids)
+        self.generated: list[int] = []
+        self.next_token: int | None = None  # the token the next decode step feeds
+        self.t_first: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return bool(self.pending)
+
+
+class Scheduler:
+    """Owns the engine thread. `start()` it, `submit` jobs from any thread, `stop()` at the end.
+
+    Args:
+        engine: the loaded model; only this scheduler's thread uses it while running.
+        limits: ServeLimits.
+        metrics: counters and gauges the thread updates (a new Metrics if None).
+    """
+
+    def __init__(self, engine: Engine, limits: ServeLimits, metrics: Metrics | None = None):
+        limits.validate(engine.model.context_length)
+        self.engine = engine
+        self.limits = limits
+        self.metrics = metrics or Metrics()
+        self.kv_tokens = limits.kv_tokens or limits.max_batch * limits.ctx
+        engine.prefix_capacity_tokens = self.kv_tokens
+        self.block_size = engine.kv_config.block_size
+        self.max_blocks = -(-self.kv_tokens // self.block_size)
+        self._inbox: deque[Job] = deque()
+        self._calls: deque[tuple[Callable, list, threading.Event]] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._waiting: deque[Job] = deque()
+        self._running: list[_Sequence] = []
+        self.prefix = None  # the engine's PrefixCache, made on the engine thread at start
+
+    # -- any thread ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the scheduler is already running")
+        self._thread = threading.Thread(target=self._loop, name="omlx-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Cancel every job and end the engine thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def blocks_for(self, n_tokens: int) -> int:
+        """Pool blocks a sequence of n_tokens holds in each layer: its full blocks (the unfinished
+        one lives in the sequence's tail buffer). A job's sequence stores at most prompt +
+        max_tokens - 1 tokens (the last token sampled is never fed back)."""
+        return n_tokens // self.block_size
+
+    def fits_budget(self, n_prompt: int, max_tokens: int) -> bool:
+        """Whether a request could ever be admitted (alone, the KV budget empty)."""
+        return self.blocks_for(n_prompt + max_tokens) <= self.max_blocks
+
+    def submit(self, job: Job) -> None:
+        if self._stopping or not self.running:
+            raise EngineError("the server is shutting down")
+        self._inbox.append(job)  # deque.append is atomic
+        self.metrics.queue_length.inc()
+        self._wake.set()
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled.set()
+        self._wake.set()
+
+    def call(self, fn: Callable[[], object], timeout: float = 60.0):
+        """Run fn() on the engine thread between steps and return its result (for tests and
+        monitoring that must see the caches in a consistent state)."""
+        box: list = []
+        done = threading.Event()
+        self._calls.append((fn, box, done))
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError("the engine thread did not answer")
+        if box and isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0] if box else None
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        self.prefix = self.engine.prefix_cache()
+        log.info("engine thread: batches of up to %d sequences, KV budget %d tokens per layer (%d blocks of %d)",
+                 self.limits.max_batch, self.kv_tokens, self.max_blocks, self.block_size)
+        while not self._stopping:
+            worked = False
+            try:
+                self._run_calls()
+                self._take_new()
+                self._admit()
+                worked = self._prefill_step() or worked
+                worked = self._decode_step() or worked
+                self._update_gauges()
+            except Exception as exc:  # a bug or MemoryError must not end the engine thread
+                log.exception("engine step failed")
+                for seq in list(self._running):
+                    try:
+                        self._fail(seq, exc)
+                    except Exception:
+                        log.exception("releasing a failed sequence failed")
+                        if seq in self._running:
+                            self._running.remove(seq)
+                worked = True
+            if not worked:
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+        for seq in list(self._running):
+            self._finish(seq, "cancelled")
+        while self._waiting:
+            self._send(self._waiting.popleft(), Failed(EngineError("the server is shutting down")))
+        while self._inbox:
+            self._send(self._inbox.popleft(), Failed(EngineError("the server is shutting down")))
+        self._run_calls()
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, box, done = self._calls.popleft()
+            try:
+                box.append(fn())
+            except BaseException as exc:  # handed back to the caller
+                box.append(exc)
+            done.set()
+
+    def _send(self, job: Job, event) -> None:
+        try:
+            job.sink(event)
+        except Exception:  # a sink whose loop is gone: nothing to tell
+            log.debug("job %s: sink failed", job.id, exc_info=True)
+
+    def _take_new(self) -> None:
+        while self._inbox:
+            self._waiting.append(self._inbox.popleft())
+        now = time.monotonic()
+        kept: deque[Job] = deque()
+        for job in self._waiting:
+            if job.cancelled.is_set():
+                self.metrics.queue_length.dec()
+                self._send(job, Finished("cancelled", len(job.prompt_ids), 0, 0, "", None))
+            elif now - job.submitted > self.limits.queue_timeout:
+                self.metrics.queue_length.dec()
+                self.metrics.queue_timeouts.inc()
+                self._send(job, Failed(QueueTimeout(
+                    f"no room for this request within {self.limits.queue_timeout:g} s "
+                    f"({len(self._running)} sequences running, KV budget {self.kv_tokens:,} tokens)")))
+            else:
+                kept.append(job)
+        self._waiting = kept
+
+    def _budget_blocks(self) -> int:
+        pinned = sum(1 for e in self.prefix.entries.values() if e.pins)
+        return self.max_blocks - pinned
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.limits.max_batch:
+            job = self._waiting[0]
+            need = self.blocks_for(len(job.prompt_ids) + job.max_tokens)
+            reserved = sum(s.reserved_blocks for s in self._running)
+            if reserved + need > self._budget_blocks():
+                return  # in arrival order: a later small job does not overtake this one
+            self._waiting.popleft()
+            self.metrics.queue_length.dec()
+            cache = self.prefix.new_sequence(limit=self.limits.ctx, overflow="stop")
+            try:
+                reuse = self.prefix.attach(cache, job.prompt_ids)
+                seq = _Sequence(job, cache, self.engine, reuse.tokens, need)
+            except Exception as exc:  # e.g. a saved prefix that cannot be read: this job only
+                cache.release()
+                self._send(job, Failed(exc))
+                continue
+            self._running.append(seq)
+            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+            self.metrics.cached_tokens.inc(reuse.tokens)
+            if reuse.tokens:
+                log.debug("job %s: %d of %d prompt tokens from the prefix cache", job.id, reuse.tokens,
+                          len(job.prompt_ids))
+            self._send(job, Started(reuse.tokens))
+
+    def _drop_cancelled(self) -> None:
+        for seq in list(self._running):
+            if seq.job.cancelled.is_set():
+                self._finish(seq, "cancelled")
+
+    def _prefill_step(self) -> bool:
+        self._drop_cancelled()
+        seq = next((s for s in self._running if s.prefilling), None)
+        if seq is None:
+            return False
+        step = min(self.limits.prefill_chunk, self.engine._chunk_size(seq.cache))
+        chunk, seq.pending = seq.pending[:step], seq.pending[step:]
+        last = not seq.pending
+        try:
+            out = self.engine.model.forward(np.asarray(chunk, np.int64), seq.cache,
+                                            "last" if last else np.empty(0, np.int64))
+        except (ContextFull, KVPoolFull) as exc:  # admission makes these unreachable; kept exact
+            self._fail(seq, exc)
+            return True
+        release_free_heap()  # the chunk's temporaries: not resident while the next step runs
+        if last:
+            self._advance(seq, out[0])
+        return True
+
+    def _decode_step(self) -> bool:
+        self._drop_cancelled()
+        batch = [s for s in self._running if not s.prefilling and s.next_token is not None]
+        if not batch:
+            return False
+        t0 = time.perf_counter()
+        for start in range(0, len(batch), DECODE_GROUP):
+            group = batch[start : start + DECODE_GROUP]
+            tokens = np.array([s.next_token for s in group], np.int64)
+            cache = group[0].cache if len(group) == 1 else DecodeBatch([s.cache for s in group])
+            logits = self.engine.model.forward(tokens, cache, "all")  # (len(group), vocab)
+            for seq, row in zip(group, logits):
+                self._advance(seq, row)
+        self.metrics.observe_step(len(batch), time.perf_counter() - t0)
+        return True
+
+    def _advance(self, seq: _Sequence, logits: np.ndarray) -> None:
+        """Sample the sequence's next token from `logits` and stream it, or finish."""
+        seq.next_token = None
+        if seq.job.cancelled.is_set():
+            self._finish(seq, "cancelled")
+            return
+        token = seq.sampler.sample(logits, seq.history)
+        if seq.t_first is None:
+            seq.t_first = time.monotonic()
+            self.metrics.ttft.observe(seq.t_first - seq.job.submitted)
+        if token in self.engine.tokenizer.stop_ids:
+            self._finish(seq, "stop")
+            return
+        seq.generated.append(token)
+        seq.history.append(token)
+        self.metrics.generated_tokens.inc()
+        text, stopped = seq.matcher.push(seq.decoder.push(token))
+        self._send(seq.job, Token(token, text))
+        if stopped:
+            self._finish(seq, "stop_string")
+        elif len(seq.generated) >= seq.job.max_tokens:
+            self._finish(seq, "length")
+        elif seq.cache.offset + 1 >= min(self.limits.ctx, self.engine.model.context_length):
+            self._finish(seq, "length")
+        else:
+            seq.next_token = token
+
+    def _release(self, seq: _Sequence) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        seq.cache.release()
+
+    def _finish(self, seq: _Sequence, reason: str) -> None:
+        tail = ""
+        if reason != "stop_string":
+            tail = seq.matcher.push(seq.decoder.flush())[0] + seq.matcher.flush()
+        self._release(seq)
+        ttft = None if seq.t_first is None else seq.t_first - seq.job.submitted
+        self.metrics.finished(reason)
+        self._send(seq.job, Finished("stop" if reason == "stop_string" else reason, len(seq.job.prompt_ids),
+                                     len(seq.generated), seq.cached_tokens, tail, ttft))
+
+    def _fail(self, seq: _Sequence, exc: BaseException) -> None:
+        self._release(seq)
+        self.metrics.finished("error")
+        self._send(seq.job, Failed(exc))
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.running.set(len(self._running))
+        m.kv_bytes_in_use.set(self.prefix.nbytes)
+        m.kv_bytes_allocated.set(self.prefix.capacity_bytes)
+        m.kv_bytes_capacity.set(self.max_blocks * sum(p.k_row_bytes + p.v_row_bytes for p in self.prefix.pools))
+
+    # -- inspection (call through `call`) ------------------------------------------------------
+    def sequence_blocks(self) -> int:
+        """Pool block references (all layers) held by sequences, i.e. by anything but the prefix
+        cache's own entries: 0 when no request is running, whatever the cache keeps."""
+        total = 0
+        for layer, pool in enumerate(self.prefix.pools):
+            cached = sum(1 for e in self.prefix.entries.values() if e.blocks[layer] is not None)
+            total += sum(pool.ref_cnt) - cached
+        return total
