@@ -854,12 +854,19 @@ class _Pool:
     # other processes), run matvecs on the calling thread alone for BACKOFF_S seconds (the
     # worker then sleeps and leaves the core to whoever needs it).
     STRIKES, BACKOFF_S = 8, 0.05
+    RAW_RETAIN_S = 60.0  # seconds a matrix stays referenced after its last job (see _raws)
 
     def __init__(self, n_workers: int):
         self.ctl = np.zeros(_CTL_SIZE, dtype=np.int64)
         self.states = np.zeros(_MAX_CHUNKS, dtype=np.int64)
         self.xbuf = np.zeros(1 << 14, dtype=np.float32)
         self._old_xbufs = []  # kept: a late worker may still read one
+        # The matrices of recent jobs (id → (raw, last use)), each kept RAW_RETAIN_S after its
+        # last job: a worker the OS preempted in a chunk the caller then took over may read the
+        # blocks after the call returned, when the model that owned them may be gone (its file
+        # unmapped: a segfault in the worker).
+        self._raws: dict[int, tuple[np.ndarray, float]] = {}
+        self._raws_pruned = time.monotonic()
         self.n_workers = n_workers
         self.lock = threading.Lock()  # one job at a time; a second caller runs without the pool
         self.wake = threading.Event()
@@ -888,6 +895,7 @@ class _Pool:
                 if time.monotonic() < self.serial_until:
                     return False
                 self.serial_until = 0.0
+            self._keep(mv.raw)
             if self.parked:
                 self.kick()
             grace = int(self.grace_per_byte * mv.chunk * mv.raw.shape[1] * x.shape[0])
@@ -906,6 +914,14 @@ class _Pool:
             return True
         finally:
             self.lock.release()
+
+    def _keep(self, raw: np.ndarray) -> None:
+        """Hold `raw` until RAW_RETAIN_S after its last job (call with the lock held)."""
+        now = time.monotonic()
+        self._raws[id(raw)] = (raw, now)
+        if now - self._raws_pruned > self.RAW_RETAIN_S:
+            self._raws = {k: v for k, v in self._raws.items() if now - v[1] <= self.RAW_RETAIN_S}
+            self._raws_pruned = now
 
     def _run(self, buf, part):
         while True:
