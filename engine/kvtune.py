@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .engine import log_softmax
-from .errors import SettingsError
+from .errors import OmlxError, SettingsError
 from .kv.config import DEFAULT_BLOCK_SIZE, KVConfig, estimate_bytes, parse_kv
 from .kv.formats import get_format
 
@@ -59,6 +59,17 @@ _GRID = 100_000  # cost units of the knapsack over the most expensive choice
 
 class KVTuneError(SettingsError):
     """A budget or calibration input kv-tune cannot work with."""
+
+
+class KVTuneCancelled(OmlxError):
+    """The sensitivity measurement was cancelled (nothing is stored)."""
+
+    kind = "cancelled"
+
+
+def _check_cancel(cancel) -> None:
+    if cancel is not None and cancel.is_set():
+        raise KVTuneCancelled("the KV sensitivity measurement was cancelled")
 
 
 # -- profile ------------------------------------------------------------------------------------
@@ -264,9 +275,12 @@ def _kl(lp_ref: np.ndarray, lp: np.ndarray) -> np.ndarray:
 
 def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None = None,
                     bits: Sequence[int] = CANDIDATE_BITS, model_sha256: str | None = None,
-                    progress: Callable[[str, float], None] | None = None) -> Profile:
+                    progress: Callable[[str, float], None] | None = None, cancel=None) -> Profile:
     """The sensitivity profile of `engine`'s model on `tokens` (N+1 ids; positions 0..N-1 are run
-    and predict 1..N), with the block size, sinks and rotation of `options`."""
+    and predict 1..N), with the block size, sinks and rotation of `options`.
+
+    `cancel` (anything with ``is_set()``, e.g. a threading.Event) is checked between steps of at
+    most one layer's work; once set, KVTuneCancelled is raised."""
     t0 = time.perf_counter()
     options = parse_kv(options) if options is not None else KVConfig(block_size=DEFAULT_BLOCK_SIZE)
     model = engine.model
@@ -277,6 +291,7 @@ def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None =
     n_layers = model.n_layers
     if progress:
         progress("16-bit pass", 0.0)
+    _check_cancel(cancel)
     net = _Network(model, tokens[:-1], options)
     energy = np.zeros((n_layers, 2, len(bits)))
     gain = np.zeros(n_layers)
@@ -285,8 +300,10 @@ def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None =
             progress("sensitivity", layer / n_layers)
         ref = net.attn[layer]["out"]
         for bi, b in enumerate(bits):
+            _check_cancel(cancel)
             for ri, (kb, vb) in enumerate(((b, 16), (16, b))):
                 energy[layer, ri, bi] = float(np.mean(np.square(net.attention_output(layer, kb, vb) - ref)))
+        _check_cancel(cancel)
         cal = net.attention_output(layer, CALIBRATION_BITS, CALIBRATION_BITS)
         e_cal = float(np.mean(np.square(cal - ref)))
         gain[layer] = net.kl_with(layer, cal) / e_cal if e_cal > 0 else 0.0
@@ -299,7 +316,7 @@ def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None =
 
 
 def get_profile(engine, tokens: Sequence[int], *, options: KVConfig | None = None,
-                directory: Path | None = None, progress=None) -> tuple[Profile, bool]:
+                directory: Path | None = None, progress=None, cancel=None) -> tuple[Profile, bool]:
     """The stored profile for this model file, text and options, or a new one (then stored).
     Returns (profile, whether it came from the store)."""
     options = parse_kv(options) if options is not None else KVConfig()
@@ -308,7 +325,7 @@ def get_profile(engine, tokens: Sequence[int], *, options: KVConfig | None = Non
     stored = load_profile(path)
     if stored is not None and stored.n_layers == engine.model.n_layers:
         return stored, True
-    profile = measure_profile(engine, tokens, options=options, model_sha256=sha, progress=progress)
+    profile = measure_profile(engine, tokens, options=options, model_sha256=sha, progress=progress, cancel=cancel)
     save_profile(profile, path)
     return profile, False
 
@@ -335,17 +352,31 @@ class Costs:
         return float(self.choice[np.arange(n)[:, None], np.arange(2)[None, :], idx].sum() + self.fixed)
 
 
+def kv_shape(model) -> tuple[int, int, int, int, list]:
+    """(n_layers, n_kv_heads, head_dim, value_dim, windows) of a model, or of a geometry: an
+    object or dict with those fields (engine.models.base.KVGeometry, the app's ModelInfo.geometry)."""
+    if isinstance(model, dict):
+        g = model
+        return (int(g["n_layers"]), int(g["n_kv_heads"]), int(g["head_dim"]), int(g["value_dim"]),
+                list(g.get("windows") or [None] * int(g["n_layers"])))
+    if hasattr(model, "layer_window"):
+        n = model.n_layers
+        return n, model.n_kv_heads, model.head_dim, model.value_dim, [model.layer_window(i) for i in range(n)]
+    return model.n_layers, model.n_kv_heads, model.head_dim, model.value_dim, list(model.windows)
+
+
 def model_costs(model, options: KVConfig, bits: Sequence[int] = CANDIDATE_BITS, ctx: int | None = None) -> Costs:
-    """Costs for `model`'s layers: bytes per token of stored blocks (ctx None), or bytes held at
-    `ctx` tokens as engine.kv.config.estimate_bytes counts them."""
-    n, hkv, d, dv, bs = model.n_layers, model.n_kv_heads, model.head_dim, model.value_dim, options.block_size
+    """Costs for `model`'s layers (a model or its geometry, see kv_shape): bytes per token of
+    stored blocks (ctx None), or bytes held at `ctx` tokens as engine.kv.config.estimate_bytes
+    counts them."""
+    n, hkv, d, dv, windows = kv_shape(model)
+    bs = options.block_size
     choice = np.zeros((n, 2, len(bits)))
     if ctx is None:
         for bi, b in enumerate(bits):
             for ri, (role, dim) in enumerate((("k", d), ("v", dv))):
                 choice[:, ri, bi] = get_format(b, role).bytes_per_block(hkv, bs, dim) / bs
         return Costs(choice, 0.0, None, tuple(bits))
-    windows = [model.layer_window(i) for i in range(n)]
     fixed = None
     for bi, b in enumerate(bits):
         est = estimate_bytes(KVConfig(b, b, block_size=bs, sinks=options.sinks), n, hkv, d, ctx, dv, windows=windows)
@@ -363,7 +394,7 @@ def spec_widths(config: KVConfig, n_layers: int) -> np.ndarray:
 
 def budget_like(config: KVConfig, model, costs: Costs) -> float:
     """The bytes `config` holds under `costs` (a spec's width outside the candidates is refused)."""
-    widths = spec_widths(config, model.n_layers)
+    widths = spec_widths(config, kv_shape(model)[0])
     bad = sorted(set(widths.ravel()) - set(costs.bits))
     if bad:
         raise KVTuneError(f"--budget-like {config}: {bad[0]} bits is not a candidate width "
@@ -374,7 +405,7 @@ def budget_like(config: KVConfig, model, costs: Costs) -> float:
 def budget_for_bits(bits_per_value: float, model, options: KVConfig, ctx: int | None = None) -> float:
     """Bytes of `bits_per_value` stored bits per K/V element on average (scales included): per token
     over all layers (ctx None), or at `ctx` tokens with the tail and sink buffers added."""
-    n, hkv, d, dv = model.n_layers, model.n_kv_heads, model.head_dim, model.value_dim
+    n, hkv, d, dv, _ = kv_shape(model)
     if ctx is None:
         return bits_per_value / 8 * n * hkv * (d + dv)
     costs = model_costs(model, options, (16,), ctx)
@@ -426,6 +457,8 @@ def choose_widths(kl: np.ndarray, costs: Costs, budget: float, options: KVConfig
         raise KVTuneError(f"a budget of {budget:,.0f} bytes is below the smallest spec ({cheapest:,.0f} bytes, "
                           f"every layer at {min(costs.bits)} bits)")
     cap = min(int(math.floor(max(room, 0.0) / unit + 1e-9)), int(units.max(axis=2).sum()))
+    if room >= top * (1 - 1e-12):
+        cap = int(units.max(axis=2).sum())  # every combination fits (rounded-up units would miss some)
     inf = np.inf
     dp = np.full(cap + 1, inf)
     dp[0] = 0.0
@@ -506,6 +539,35 @@ def calibration_tokens(engine, text: str, n_tokens: int = DEFAULT_N_TOKENS) -> l
     """At most n_tokens + 1 ids of `text` (BOS added where the model wants one)."""
     ids = engine.tokenizer.encode(text, add_bos=True)
     return ids[: n_tokens + 1]
+
+
+def default_profile(engine, *, n_tokens: int = DEFAULT_N_TOKENS, directory: Path | None = None, progress=None,
+                    cancel=None) -> tuple[Profile, bool]:
+    """The profile behind the app's Auto preset and `omlx bench --tuned`: the shipped calibration
+    text, the default KV options (block size, sinks, no rotation). Returns (profile, from store)."""
+    tokens = calibration_tokens(engine, DEFAULT_CALIBRATION_TEXT.read_text(encoding="utf-8"), n_tokens)
+    return get_profile(engine, tokens, options=KVConfig(), directory=directory, progress=progress, cancel=cancel)
+
+
+def memory_range(geometry, ctx: int, options: KVConfig | None = None,
+                 bits: Sequence[int] = CANDIDATE_BITS) -> tuple[float, float]:
+    """Bytes held at `ctx` tokens with every layer at the narrowest and at the widest candidate
+    width: the range a memory budget for `choose_for_memory` can take."""
+    costs = model_costs(geometry, options if options is not None else KVConfig(), bits, ctx)
+    return (float(costs.choice.min(axis=2).sum() + costs.fixed), float(costs.choice.max(axis=2).sum() + costs.fixed))
+
+
+def choose_for_memory(profile: Profile, geometry, ctx: int, budget_bytes: float,
+                      options: KVConfig | None = None) -> Choice:
+    """The widths with the least predicted KL whose KV at `ctx` tokens fits in `budget_bytes`
+    (`geometry`: a model or its geometry, see kv_shape). Options default to the profile's."""
+    if options is None:
+        options = KVConfig(block_size=profile.block_size, sinks=profile.sinks, rotation=profile.rotation)
+    n = kv_shape(geometry)[0]
+    if n != profile.n_layers:
+        raise KVTuneError(f"the profile is for {profile.n_layers} layers, the model has {n}")
+    costs = model_costs(geometry, options, profile.bits, ctx)
+    return choose_widths(profile.kl, costs, budget_bytes, options)
 
 
 def tune(engine, tokens: Sequence[int], *, budget_like_spec: str | KVConfig | None = None,
