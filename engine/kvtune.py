@@ -11,10 +11,11 @@ one forward pass per (layer, role, width), 360 for a 30-layer model; instead:
    one-layer paged cache at that width (the storage and visibility rule decode uses: quantized
    full blocks, float16 tail and sinks), giving that layer's attention output as it would be.
    E(layer, role, width) is the mean squared change of the attention output.
-3. Propagation, one partial pass per layer: the layer's attention output with K and V both at
-   `CALIBRATION_BITS` is injected in place of the 16-bit one and only the layers from there on are
-   run again (the earlier layers' outputs are the recorded ones); the KL of the resulting logits
-   against the 16-bit logits divided by that perturbation's E is the layer's gain.
+3. Propagation, one partial pass per layer over the first `GAIN_TOKENS` tokens: the layer's
+   attention output with K and V both at `CALIBRATION_BITS` is injected in place of the 16-bit one
+   and only the layers from there on are run again (the earlier layers' outputs are the recorded
+   ones); the KL of the resulting logits against the 16-bit logits divided by that perturbation's E
+   (over the same tokens) is the layer's gain.
 4. KL(layer, role, width) = gain(layer) x E(layer, role, width): a small perturbation moves the
    logits linearly, so the KL is quadratic in it and scales with its energy; the layer's gain
    carries how much the rest of the network amplifies or damps it.
@@ -24,6 +25,9 @@ role) KLs and solves the multiple-choice knapsack exactly by dynamic programming
 (rounded up to a grid fixed by the model, so the budget always holds and a larger budget never
 gives a worse prediction). `tune` verifies the chosen spec with a real evaluation
 (engine.evaluate) on the calibration text, which measures how well the additivity held.
+
+The default calibration (`default_calibration_tokens`) mixes four short texts of different kinds
+(resources/kvtune), none of them used to evaluate the result.
 
 Profiles are stored per model file (sha256), calibration text (sha256), token count and KV
 options (block size, sinks, rotation) in the user cache folder (engine.kv.prefix.cache_dir), so a
@@ -50,10 +54,19 @@ from .kv.formats import get_format
 CANDIDATE_BITS = (2, 3, 4, 5, 6, 8)
 ROLES = ("k", "v")
 CALIBRATION_BITS = 4  # K and V width of each layer's propagated perturbation (step 3)
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 DEFAULT_CALIBRATION_TEXT = RESOURCES / "kvtune" / "calibration.txt"
-DEFAULT_N_TOKENS = 512
+# The default calibration: an equal share of each text's first tokens, in this order (a chat, a
+# technical note with code, a reference article with figures and a list, a story), so the profile
+# is not one genre's.
+DEFAULT_CALIBRATION_TEXTS = tuple(RESOURCES / "kvtune" / name
+                                  for name in ("dialogue.txt", "technical.txt", "reference.txt", "calibration.txt"))
+DEFAULT_N_TOKENS = 1024
+# Tokens the propagation passes (step 3) run over: the first of the calibration. The gain is the
+# network's amplification of a perturbation, which depends far less on the text and its length
+# than the local error does, and these passes are most of the measuring time.
+GAIN_TOKENS = 256
 _GRID = 100_000  # cost units of the knapsack over the most expensive choice
 
 
@@ -90,6 +103,7 @@ class Profile:
     energy: np.ndarray  # (n_layers, 2, len(bits)) mean squared attention-output change
     gain: np.ndarray  # (n_layers,) KL per unit of energy
     seconds: float = 0.0
+    gain_tokens: int = 0  # tokens the gains were measured over (step 3)
 
     @property
     def n_layers(self) -> int:
@@ -99,7 +113,8 @@ class Profile:
         return {"version": PROFILE_VERSION, "model_sha256": self.model_sha256, "text_sha256": self.text_sha256,
                 "n_tokens": self.n_tokens, "block_size": self.block_size, "sinks": self.sinks,
                 "rotation": self.rotation, "bits": list(self.bits), "kl": self.kl.tolist(),
-                "energy": self.energy.tolist(), "gain": self.gain.tolist(), "seconds": self.seconds}
+                "energy": self.energy.tolist(), "gain": self.gain.tolist(), "seconds": self.seconds,
+                "gain_tokens": self.gain_tokens}
 
     @classmethod
     def from_json(cls, data: dict) -> "Profile":
@@ -108,7 +123,8 @@ class Profile:
         return cls(data["model_sha256"], data["text_sha256"], int(data["n_tokens"]), int(data["block_size"]),
                    int(data["sinks"]), bool(data["rotation"]), tuple(int(b) for b in data["bits"]),
                    np.asarray(data["kl"], np.float64), np.asarray(data["energy"], np.float64),
-                   np.asarray(data["gain"], np.float64), float(data.get("seconds", 0.0)))
+                   np.asarray(data["gain"], np.float64), float(data.get("seconds", 0.0)),
+                   int(data.get("gain_tokens", 0)))
 
 
 def profile_path(model_sha256: str, text_sha256: str, n_tokens: int, options: KVConfig,
@@ -119,7 +135,7 @@ def profile_path(model_sha256: str, text_sha256: str, n_tokens: int, options: KV
 
         directory = cache_dir() / "kv-profiles"
     name = (f"{model_sha256[:32]}-{text_sha256[:16]}-n{n_tokens}-bs{options.block_size}-s{options.sinks}"
-            f"-r{int(options.rotation)}.json")
+            f"-r{int(options.rotation)}-v{PROFILE_VERSION}.json")
     return Path(directory) / name
 
 
@@ -275,7 +291,8 @@ def _kl(lp_ref: np.ndarray, lp: np.ndarray) -> np.ndarray:
 
 def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None = None,
                     bits: Sequence[int] = CANDIDATE_BITS, model_sha256: str | None = None,
-                    progress: Callable[[str, float], None] | None = None, cancel=None) -> Profile:
+                    progress: Callable[[str, float], None] | None = None, cancel=None,
+                    gain_tokens: int = GAIN_TOKENS) -> Profile:
     """The sensitivity profile of `engine`'s model on `tokens` (N+1 ids; positions 0..N-1 are run
     and predict 1..N), with the block size, sinks and rotation of `options`.
 
@@ -293,6 +310,9 @@ def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None =
         progress("16-bit pass", 0.0)
     _check_cancel(cancel)
     net = _Network(model, tokens[:-1], options)
+    # the propagation passes' own 16-bit pass over the first tokens (the whole text if shorter)
+    short = len(tokens) - 1 > gain_tokens >= options.block_size + 1
+    gain_net = _Network(model, tokens[:gain_tokens], options) if short else net
     energy = np.zeros((n_layers, 2, len(bits)))
     gain = np.zeros(n_layers)
     for layer in range(n_layers):
@@ -304,15 +324,15 @@ def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None =
             for ri, (kb, vb) in enumerate(((b, 16), (16, b))):
                 energy[layer, ri, bi] = float(np.mean(np.square(net.attention_output(layer, kb, vb) - ref)))
         _check_cancel(cancel)
-        cal = net.attention_output(layer, CALIBRATION_BITS, CALIBRATION_BITS)
-        e_cal = float(np.mean(np.square(cal - ref)))
-        gain[layer] = net.kl_with(layer, cal) / e_cal if e_cal > 0 else 0.0
+        cal = gain_net.attention_output(layer, CALIBRATION_BITS, CALIBRATION_BITS)
+        e_cal = float(np.mean(np.square(cal - gain_net.attn[layer]["out"])))
+        gain[layer] = gain_net.kl_with(layer, cal) / e_cal if e_cal > 0 else 0.0
     gain = np.maximum(gain, 0.0)  # a KL estimate below zero is rounding noise
     if progress:
         progress("sensitivity", 1.0)
     return Profile(model_sha256 or "", text_sha256(tokens), len(tokens) - 1, options.block_size, options.sinks,
                    options.rotation, tuple(int(b) for b in bits), gain[:, None, None] * energy, energy, gain,
-                   time.perf_counter() - t0)
+                   time.perf_counter() - t0, len(gain_net.inputs))
 
 
 def get_profile(engine, tokens: Sequence[int], *, options: KVConfig | None = None,
@@ -525,13 +545,15 @@ class TuneResult:
     measured_kl: float | None
     measured_kv_bytes: int | None
     seconds: float
+    uniform_kl: float | None = None  # the budget's own spec, measured beside it (--budget-like)
+    fell_back: bool = False  # the choice measured no better than the budget's spec: that spec is the result
 
     def as_dict(self) -> dict:
         return {"spec": self.choice.spec, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "predicted_kl": self.choice.predicted_kl, "measured_kl": self.measured_kl,
                 "budget_bytes": self.choice.budget, "bytes": self.choice.bytes, "ctx": None,
                 "measured_kv_bytes": self.measured_kv_bytes, "profile_from_store": self.from_store,
-                "seconds": self.seconds,
+                "seconds": self.seconds, "budget_spec_kl": self.uniform_kl, "fell_back": self.fell_back,
                 "layers": [{"layer": i, "k_bits": int(k), "v_bits": int(v)} for i, (k, v) in enumerate(self.choice.widths)]}
 
 
@@ -541,11 +563,24 @@ def calibration_tokens(engine, text: str, n_tokens: int = DEFAULT_N_TOKENS) -> l
     return ids[: n_tokens + 1]
 
 
+def default_calibration_tokens(engine, n_tokens: int = DEFAULT_N_TOKENS) -> list[int]:
+    """n_tokens + 1 ids: BOS where the model wants one, then an equal share of the first tokens of
+    each of DEFAULT_CALIBRATION_TEXTS in turn (the earlier texts take the remainder)."""
+    ids = engine.tokenizer.encode("", add_bos=True)[:1]
+    texts = DEFAULT_CALIBRATION_TEXTS
+    want = n_tokens + 1 - len(ids)
+    for i, path in enumerate(texts):
+        share = want // len(texts) + (1 if i < want % len(texts) else 0)
+        ids += engine.tokenizer.encode(path.read_text(encoding="utf-8"), add_bos=False)[:share]
+    return ids
+
+
 def default_profile(engine, *, n_tokens: int = DEFAULT_N_TOKENS, directory: Path | None = None, progress=None,
                     cancel=None) -> tuple[Profile, bool]:
-    """The profile behind the app's Auto preset and `omlx bench --tuned`: the shipped calibration
-    text, the default KV options (block size, sinks, no rotation). Returns (profile, from store)."""
-    tokens = calibration_tokens(engine, DEFAULT_CALIBRATION_TEXT.read_text(encoding="utf-8"), n_tokens)
+    """The profile behind the app's Auto preset, `omlx kv-tune` without --text-file and `omlx bench
+    --tuned`: the default calibration, the default KV options (block size, sinks, no rotation).
+    Returns (profile, from store)."""
+    tokens = default_calibration_tokens(engine, n_tokens)
     return get_profile(engine, tokens, options=KVConfig(), directory=directory, progress=progress, cancel=cancel)
 
 
@@ -578,7 +613,11 @@ def tune(engine, tokens: Sequence[int], *, budget_like_spec: str | KVConfig | No
     Exactly one of `budget_like_spec`, `bits_per_value`, `budget_bytes` (which needs `ctx`). With
     `ctx`, bytes are those held at ctx tokens (sliding-window layers hold fewer); without, bytes per
     token of stored blocks. The options (block size, sinks, rotation) come from the spec given
-    as budget, else the defaults."""
+    as budget, else the defaults.
+
+    Verifying evaluates the choice on `tokens`; with a spec as the budget that spec is evaluated
+    beside it, and when the choice does not measure better, the result is that spec (fell_back):
+    a tuned spec is never knowingly worse than what it replaces."""
     t0 = time.perf_counter()
     given = [x is not None for x in (budget_like_spec, bits_per_value, budget_bytes)]
     if sum(given) != 1:
@@ -600,12 +639,23 @@ def tune(engine, tokens: Sequence[int], *, budget_like_spec: str | KVConfig | No
         budget = float(budget_bytes)
     choice = choose_widths(profile.kl, costs, budget, options)
     per_token = model_costs(model, options, profile.bits).total(choice.widths)
-    measured = measured_bytes = None
+    measured = measured_bytes = uniform = None
+    fell_back = False
     if verify:
         from .evaluate import evaluate_kv
 
         if progress:
             progress("verifying", 0.0)
-        quality = evaluate_kv(engine, tokens, [choice.config])[0]
-        measured, measured_bytes = quality.mean_kl, quality.kv_bytes
-    return TuneResult(choice, profile, from_store, per_token, measured, measured_bytes, time.perf_counter() - t0)
+        specs = [choice.config] + ([like] if like is not None and str(like) != choice.spec else [])
+        results = evaluate_kv(engine, tokens, specs)
+        measured, measured_bytes = results[0].mean_kl, results[0].kv_bytes
+        if len(results) > 1:
+            uniform = results[1].mean_kl
+            if uniform <= measured:
+                fell_back = True
+                widths = spec_widths(like, model.n_layers)
+                choice = Choice(widths, predicted_kl(profile, like), costs.total(widths), budget, like)
+                per_token = model_costs(model, options, profile.bits).total(widths)
+                measured, measured_bytes = uniform, results[1].kv_bytes
+    return TuneResult(choice, profile, from_store, per_token, measured, measured_bytes, time.perf_counter() - t0,
+                      uniform, fell_back)

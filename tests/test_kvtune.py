@@ -204,3 +204,44 @@ def test_choice_for_memory_at_a_context_and_the_memory_range(tiny_engine):
     with pytest.raises(kvtune.KVTuneError, match="layers"):
         kvtune.choose_for_memory(profile, {**geometry, "n_layers": model.n_layers + 1,
                                            "windows": [None] * (model.n_layers + 1)}, 1000, high)
+
+
+def test_default_calibration_takes_a_share_of_each_text(tiny_engine):
+    tokens = kvtune.default_calibration_tokens(tiny_engine, 100)
+    assert len(tokens) == 101
+    bos = tiny_engine.tokenizer.encode("", add_bos=True)[:1]
+    assert tokens[: len(bos)] == bos
+    rest, start = tokens[len(bos):], 0
+    texts = kvtune.DEFAULT_CALIBRATION_TEXTS
+    assert len(texts) == 4 and all(p.is_file() for p in texts)
+    for i, path in enumerate(texts):  # each text's first tokens, in order, the earlier ones a token more
+        share = (101 - len(bos)) // 4 + (1 if i < (101 - len(bos)) % 4 else 0)
+        assert rest[start : start + share] == tiny_engine.tokenizer.encode(path.read_text(), add_bos=False)[:share]
+        start += share
+    assert start == len(rest)
+
+
+def test_gains_over_the_first_tokens_and_a_stored_profile_says_so(tiny_engine, tmp_path):
+    tokens = _tokens(tiny_engine, 96)
+    short = kvtune.measure_profile(tiny_engine, tokens, options=OPTIONS, gain_tokens=40)
+    whole = kvtune.measure_profile(tiny_engine, tokens, options=OPTIONS, gain_tokens=1000)
+    assert (short.gain_tokens, whole.gain_tokens) == (40, 96)
+    np.testing.assert_allclose(short.energy, whole.energy)       # the local errors are over every token
+    assert not np.allclose(short.gain, whole.gain)
+    path = tmp_path / "p.json"
+    kvtune.save_profile(short, path)
+    assert kvtune.load_profile(path).gain_tokens == 40
+
+
+def test_verifying_never_returns_a_spec_measured_worse_than_the_budgets(tiny_engine, tmp_path):
+    tokens = _tokens(tiny_engine)
+    for spec in ("k4v4,bs=8,sinks=2", "k3v3,bs=8,sinks=2", "k6v4,bs=8,sinks=2"):
+        result = kvtune.tune(tiny_engine, tokens, budget_like_spec=spec, directory=tmp_path)
+        assert result.uniform_kl is not None or result.choice.spec == str(KVConfig.parse(spec))
+        if result.uniform_kl is not None:
+            assert result.measured_kl <= result.uniform_kl
+        if result.fell_back:
+            assert result.choice.spec == str(KVConfig.parse(spec))
+            assert result.measured_kl == result.uniform_kl
+        real = evaluate_kv(tiny_engine, tokens, [result.choice.config])[0].mean_kl
+        assert real == pytest.approx(result.measured_kl, rel=1e-9)
