@@ -61,10 +61,12 @@ def test_the_measurement_shows_progress_and_cancel_keeps_the_setting(window):
     window.autotune.profileFailed.connect(failures.append)
     panel.select_preset(AUTO)                            # the default calibration: minutes, cancelled
     assert window.autotune.running() and panel.is_tuning()
-    wait_until(lambda: panel.auto.progress.value() > 0, what="the measurement's progress")
-    assert "layers" in panel.auto.status_label.text()
+    wait_until(lambda: "Measuring each layer's sensitivity:" in panel.auto.status_label.text(),
+               what="the measurement's progress")      # the worker's first report (the 16-bit pass)
+    assert not panel.auto.progress.isHidden() and not panel.auto.cancel_button.isHidden()
     panel.auto.cancel_button.click()
-    wait_until(lambda: failures, timeout=60, what="the cancel")
+    # stops at the next check: after the forward pass under way (at most a few of them)
+    wait_until(lambda: failures, timeout=600, what="the cancel")
     assert failures[0].kind == "cancelled"
     assert not window.autotune.running() and panel.profile() is None
     assert panel.spec() == "k4v4"
