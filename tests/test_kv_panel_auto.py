@@ -101,13 +101,11 @@ def test_a_budget_in_bytes_and_a_new_context_are_chosen_again(panel, qtbot):
     k4v4 = estimate_bytes(KVConfig(4, 4), 30, 3, 64, panel.ctx_spin.value(), 64, [None] * 30)["total"]
     panel.set_auto_budget(k4v4)
     assert kv_bytes(panel) <= k4v4
-    spec = panel.spec()
     with qtbot.waitSignal(panel.settingsChanged):
         panel.ctx_spin.setValue(1024)
     assert kv_bytes(panel) <= panel.auto_budget()
     assert panel.auto_budget() < k4v4                  # the same position, a shorter context
     assert panel.spec() == panel.auto_choice().spec
-    del spec
 
 
 def test_leaving_auto_and_editing_a_layer_is_custom(panel):
