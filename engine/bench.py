@@ -2,7 +2,7 @@
 each KV spec in one process, so that tuning is judged on the same work every time.
 
 With `tuned`, each quantized uniform spec also gets a tuned one beside it: per-layer K and V widths
-chosen by engine.kvtune for the same bytes (profile measured on the default calibration texts, or
+chosen by engine.kvtune for the same bytes (profile measured on the shipped calibration text, or
 read from the profile store), reported as "tuned@SPEC".
 
 For each spec: a fresh prefix cache (no disk reuse, so question 1 is cold and pays for reading

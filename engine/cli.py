@@ -498,7 +498,7 @@ def cmd_kv_tune(args) -> int:
         text_name = Path(args.text_file).name
         tokens = kvtune.calibration_tokens(engine, Path(args.text_file).read_text(encoding="utf-8"), n_tokens)
     else:
-        text_name = "the default calibration texts"
+        text_name = kvtune.DEFAULT_CALIBRATION_TEXT.name
         tokens = kvtune.default_calibration_tokens(engine, n_tokens)
     report = _progress_printer()
     result = kvtune.tune(engine, tokens, budget_like_spec=args.budget_like, bits_per_value=args.bits_per_value,
@@ -710,8 +710,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="X stored bits per K/V value on average, scales included")
     budget.add_argument("--budget-bytes", type=int, metavar="N", help="N bytes of KV at --ctx tokens")
     p.add_argument("--ctx", type=int, help="count bytes at this many tokens (sliding-window layers hold fewer)")
-    p.add_argument("--text-file", help="calibration text (default: the four in resources/kvtune, an equal share of each)")
-    p.add_argument("--n-tokens", type=int, help="calibration tokens (default 1024)")
+    p.add_argument("--text-file", help="calibration text (default: the one in resources/kvtune)")
+    p.add_argument("--n-tokens", type=int, help="calibration tokens (default 512)")
     p.add_argument("--no-verify", action="store_true", help="skip the evaluation of the chosen spec")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: spec, kv_bytes_per_token, predicted_kl, measured_kl, ...")

@@ -11,7 +11,7 @@ one forward pass per (layer, role, width), 360 for a 30-layer model; instead:
    one-layer paged cache at that width (the storage and visibility rule decode uses: quantized
    full blocks, float16 tail and sinks), giving that layer's attention output as it would be.
    E(layer, role, width) is the mean squared change of the attention output.
-3. Propagation, one partial pass per layer over the first `GAIN_TOKENS` tokens: the layer's
+3. Propagation, one partial pass per layer (over the first `gain_tokens` tokens if given): the layer's
    attention output with K and V both at `CALIBRATION_BITS` is injected in place of the 16-bit one
    and only the layers from there on are run again (the earlier layers' outputs are the recorded
    ones); the KL of the resulting logits against the 16-bit logits divided by that perturbation's E
@@ -25,9 +25,6 @@ role) KLs and solves the multiple-choice knapsack exactly by dynamic programming
 (rounded up to a grid fixed by the model, so the budget always holds and a larger budget never
 gives a worse prediction). `tune` verifies the chosen spec with a real evaluation
 (engine.evaluate) on the calibration text, which measures how well the additivity held.
-
-The default calibration (`default_calibration_tokens`) mixes four short texts of different kinds
-(resources/kvtune), none of them used to evaluate the result.
 
 Profiles are stored per model file (sha256), calibration text (sha256), token count and KV
 options (block size, sinks, rotation) in the user cache folder (engine.kv.prefix.cache_dir), so a
@@ -57,16 +54,7 @@ CALIBRATION_BITS = 4  # K and V width of each layer's propagated perturbation (s
 PROFILE_VERSION = 2
 RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 DEFAULT_CALIBRATION_TEXT = RESOURCES / "kvtune" / "calibration.txt"
-# The default calibration: an equal share of each text's first tokens, in this order (a chat, a
-# technical note with code, a reference article with figures and a list, a story), so the profile
-# is not one genre's.
-DEFAULT_CALIBRATION_TEXTS = tuple(RESOURCES / "kvtune" / name
-                                  for name in ("dialogue.txt", "technical.txt", "reference.txt", "calibration.txt"))
-DEFAULT_N_TOKENS = 1024
-# Tokens the propagation passes (step 3) run over: the first of the calibration. The gain is the
-# network's amplification of a perturbation, which depends far less on the text and its length
-# than the local error does, and these passes are most of the measuring time.
-GAIN_TOKENS = 256
+DEFAULT_N_TOKENS = 512
 _GRID = 100_000  # cost units of the knapsack over the most expensive choice
 
 
@@ -292,9 +280,10 @@ def _kl(lp_ref: np.ndarray, lp: np.ndarray) -> np.ndarray:
 def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None = None,
                     bits: Sequence[int] = CANDIDATE_BITS, model_sha256: str | None = None,
                     progress: Callable[[str, float], None] | None = None, cancel=None,
-                    gain_tokens: int = GAIN_TOKENS) -> Profile:
+                    gain_tokens: int | None = None) -> Profile:
     """The sensitivity profile of `engine`'s model on `tokens` (N+1 ids; positions 0..N-1 are run
-    and predict 1..N), with the block size, sinks and rotation of `options`.
+    and predict 1..N), with the block size, sinks and rotation of `options`. `gain_tokens`: run
+    the propagation passes (most of the time) over only the first tokens (None: all).
 
     `cancel` (anything with ``is_set()``, e.g. a threading.Event) is checked between steps of at
     most one layer's work; once set, KVTuneCancelled is raised."""
@@ -311,7 +300,7 @@ def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None =
     _check_cancel(cancel)
     net = _Network(model, tokens[:-1], options)
     # the propagation passes' own 16-bit pass over the first tokens (the whole text if shorter)
-    short = len(tokens) - 1 > gain_tokens >= options.block_size + 1
+    short = gain_tokens is not None and len(tokens) - 1 > gain_tokens >= options.block_size + 1
     gain_net = _Network(model, tokens[:gain_tokens], options) if short else net
     energy = np.zeros((n_layers, 2, len(bits)))
     gain = np.zeros(n_layers)
@@ -564,21 +553,14 @@ def calibration_tokens(engine, text: str, n_tokens: int = DEFAULT_N_TOKENS) -> l
 
 
 def default_calibration_tokens(engine, n_tokens: int = DEFAULT_N_TOKENS) -> list[int]:
-    """n_tokens + 1 ids: BOS where the model wants one, then an equal share of the first tokens of
-    each of DEFAULT_CALIBRATION_TEXTS in turn (the earlier texts take the remainder)."""
-    ids = engine.tokenizer.encode("", add_bos=True)[:1]
-    texts = DEFAULT_CALIBRATION_TEXTS
-    want = n_tokens + 1 - len(ids)
-    for i, path in enumerate(texts):
-        share = want // len(texts) + (1 if i < want % len(texts) else 0)
-        ids += engine.tokenizer.encode(path.read_text(encoding="utf-8"), add_bos=False)[:share]
-    return ids
+    """The first n_tokens + 1 ids of the shipped calibration text (resources/kvtune)."""
+    return calibration_tokens(engine, DEFAULT_CALIBRATION_TEXT.read_text(encoding="utf-8"), n_tokens)
 
 
 def default_profile(engine, *, n_tokens: int = DEFAULT_N_TOKENS, directory: Path | None = None, progress=None,
                     cancel=None) -> tuple[Profile, bool]:
     """The profile behind the app's Auto preset, `omlx kv-tune` without --text-file and `omlx bench
-    --tuned`: the default calibration, the default KV options (block size, sinks, no rotation).
+    --tuned`: the shipped calibration text, the default KV options (block size, sinks, no rotation).
     Returns (profile, from store)."""
     tokens = default_calibration_tokens(engine, n_tokens)
     return get_profile(engine, tokens, options=KVConfig(), directory=directory, progress=progress, cancel=cancel)

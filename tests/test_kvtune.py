@@ -206,25 +206,16 @@ def test_choice_for_memory_at_a_context_and_the_memory_range(tiny_engine):
                                            "windows": [None] * (model.n_layers + 1)}, 1000, high)
 
 
-def test_default_calibration_takes_a_share_of_each_text(tiny_engine):
+def test_default_calibration_is_the_shipped_texts_first_tokens(tiny_engine):
     tokens = kvtune.default_calibration_tokens(tiny_engine, 100)
-    assert len(tokens) == 101
-    bos = tiny_engine.tokenizer.encode("", add_bos=True)[:1]
-    assert tokens[: len(bos)] == bos
-    rest, start = tokens[len(bos):], 0
-    texts = kvtune.DEFAULT_CALIBRATION_TEXTS
-    assert len(texts) == 4 and all(p.is_file() for p in texts)
-    for i, path in enumerate(texts):  # each text's first tokens, in order, the earlier ones a token more
-        share = (101 - len(bos)) // 4 + (1 if i < (101 - len(bos)) % 4 else 0)
-        assert rest[start : start + share] == tiny_engine.tokenizer.encode(path.read_text(), add_bos=False)[:share]
-        start += share
-    assert start == len(rest)
+    text = kvtune.DEFAULT_CALIBRATION_TEXT.read_text(encoding="utf-8")
+    assert tokens == tiny_engine.tokenizer.encode(text, add_bos=True)[:101] and len(tokens) == 101
 
 
 def test_gains_over_the_first_tokens_and_a_stored_profile_says_so(tiny_engine, tmp_path):
     tokens = _tokens(tiny_engine, 96)
     short = kvtune.measure_profile(tiny_engine, tokens, options=OPTIONS, gain_tokens=40)
-    whole = kvtune.measure_profile(tiny_engine, tokens, options=OPTIONS, gain_tokens=1000)
+    whole = kvtune.measure_profile(tiny_engine, tokens, options=OPTIONS)
     assert (short.gain_tokens, whole.gain_tokens) == (40, 96)
     np.testing.assert_allclose(short.energy, whole.energy)       # the local errors are over every token
     assert not np.allclose(short.gain, whole.gain)
