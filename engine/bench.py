@@ -79,7 +79,7 @@ def tuned_specs(engine, specs: list[str], progress=None) -> dict[str, str]:
     from . import kvtune
     from .kv.config import parse_kv
 
-    tokens = kvtune.default_calibration_tokens(engine)
+    tokens = kvtune.calibration_tokens(engine, kvtune.DEFAULT_CALIBRATION_TEXT.read_text())
     out = {}
     for spec in specs:
         widths = kvtune.spec_widths(parse_kv(spec), engine.model.n_layers)

@@ -487,19 +487,14 @@ def cmd_kv_tune(args) -> int:
 
     if args.budget_bytes is not None and not args.ctx:
         raise CLIError("--budget-bytes needs --ctx: the context the bytes are for")
-    if args.n_tokens is not None and args.n_tokens < 1:
+    if args.n_tokens < 1:
         raise CLIError("--n-tokens must be at least 1")
     path = _resolve(args.model)
     args.kv = "full"
     _check_fit(path, args, kv="full")
     engine = Engine.load(path, kv="full")
-    n_tokens = args.n_tokens or kvtune.DEFAULT_N_TOKENS
-    if args.text_file:
-        text_name = Path(args.text_file).name
-        tokens = kvtune.calibration_tokens(engine, Path(args.text_file).read_text(encoding="utf-8"), n_tokens)
-    else:
-        text_name = kvtune.DEFAULT_CALIBRATION_TEXT.name
-        tokens = kvtune.default_calibration_tokens(engine, n_tokens)
+    text_path = Path(args.text_file) if args.text_file else kvtune.DEFAULT_CALIBRATION_TEXT
+    tokens = kvtune.calibration_tokens(engine, text_path.read_text(encoding="utf-8"), args.n_tokens)
     report = _progress_printer()
     result = kvtune.tune(engine, tokens, budget_like_spec=args.budget_like, bits_per_value=args.bits_per_value,
                          budget_bytes=args.budget_bytes, ctx=args.ctx, verify=not args.no_verify,
@@ -512,7 +507,7 @@ def cmd_kv_tune(args) -> int:
         return 0
     profile, choice = result.profile, result.choice
     source = "stored profile" if result.from_store else f"measured in {profile.seconds:.0f} s"
-    print(f"{engine.name}: {len(tokens) - 1:,} tokens of {text_name} ({source})")
+    print(f"{engine.name}: {len(tokens) - 1:,} tokens of {text_path.name} ({source})")
     print(f"{'layer':>5s} {'K bits':>6s} {'V bits':>6s} {'KL of K':>9s} {'KL of V':>9s}")
     for i, (k, v) in enumerate(choice.widths):
         kl_k = profile.kl[i, 0, profile.bits.index(int(k))]
@@ -711,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--budget-bytes", type=int, metavar="N", help="N bytes of KV at --ctx tokens")
     p.add_argument("--ctx", type=int, help="count bytes at this many tokens (sliding-window layers hold fewer)")
     p.add_argument("--text-file", help="calibration text (default: the one in resources/kvtune)")
-    p.add_argument("--n-tokens", type=int, help="calibration tokens (default 512)")
+    p.add_argument("--n-tokens", type=int, default=512, help="calibration tokens (default 512)")
     p.add_argument("--no-verify", action="store_true", help="skip the evaluation of the chosen spec")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: spec, kv_bytes_per_token, predicted_kl, measured_kl, ...")
