@@ -24,7 +24,8 @@ The choice (`choose_widths`) then assumes the KL of a mixed spec is the sum of t
 role) KLs and solves the multiple-choice knapsack exactly by dynamic programming over byte costs
 (rounded up to a grid fixed by the model, so the budget always holds and a larger budget never
 gives a worse prediction). `tune` verifies the chosen spec with a real evaluation
-(engine.evaluate) on the calibration text, which measures how well the additivity held.
+(engine.evaluate) on the calibration text, which measures how well the additivity held; with a
+spec as the budget, that spec is measured too and kept instead when the choice is no better.
 
 Profiles are stored per model file (sha256), calibration text (sha256), token count and KV
 options (block size, sinks, rotation) in the user cache folder (engine.kv.prefix.cache_dir), so a
