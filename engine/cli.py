@@ -520,6 +520,9 @@ def cmd_kv_tune(args) -> int:
     print(f"predicted KL  {choice.predicted_kl:.5f}")
     if result.measured_kl is not None:
         print(f"measured KL   {result.measured_kl:.5f}")
+    if result.uniform_kl is not None:
+        print(f"{args.budget_like} measured KL {result.uniform_kl:.5f}"
+              + (": the tuned choice was no better, so the result is that spec" if result.fell_back else ""))
     return 0
 
 

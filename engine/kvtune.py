@@ -11,10 +11,11 @@ one forward pass per (layer, role, width), 360 for a 30-layer model; instead:
    one-layer paged cache at that width (the storage and visibility rule decode uses: quantized
    full blocks, float16 tail and sinks), giving that layer's attention output as it would be.
    E(layer, role, width) is the mean squared change of the attention output.
-3. Propagation, one partial pass per layer: the layer's attention output with K and V both at
-   `CALIBRATION_BITS` is injected in place of the 16-bit one and only the layers from there on are
-   run again (the earlier layers' outputs are the recorded ones); the KL of the resulting logits
-   against the 16-bit logits divided by that perturbation's E is the layer's gain.
+3. Propagation, one partial pass per layer (over the first `gain_tokens` tokens if given): the layer's
+   attention output with K and V both at `CALIBRATION_BITS` is injected in place of the 16-bit one
+   and only the layers from there on are run again (the earlier layers' outputs are the recorded
+   ones); the KL of the resulting logits against the 16-bit logits divided by that perturbation's E
+   (over the same tokens) is the layer's gain.
 4. KL(layer, role, width) = gain(layer) x E(layer, role, width): a small perturbation moves the
    logits linearly, so the KL is quadratic in it and scales with its energy; the layer's gain
    carries how much the rest of the network amplifies or damps it.
@@ -23,7 +24,8 @@ The choice (`choose_widths`) then assumes the KL of a mixed spec is the sum of t
 role) KLs and solves the multiple-choice knapsack exactly by dynamic programming over byte costs
 (rounded up to a grid fixed by the model, so the budget always holds and a larger budget never
 gives a worse prediction). `tune` verifies the chosen spec with a real evaluation
-(engine.evaluate) on the calibration text, which measures how well the additivity held.
+(engine.evaluate) on the calibration text, which measures how well the additivity held; with a
+spec as the budget, that spec is measured too and kept instead when the choice is no better.
 
 Profiles are stored per model file (sha256), calibration text (sha256), token count and KV
 options (block size, sinks, rotation) in the user cache folder (engine.kv.prefix.cache_dir), so a
@@ -43,14 +45,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .engine import log_softmax
-from .errors import SettingsError
+from .errors import OmlxError, SettingsError
 from .kv.config import DEFAULT_BLOCK_SIZE, KVConfig, estimate_bytes, parse_kv
 from .kv.formats import get_format
 
 CANDIDATE_BITS = (2, 3, 4, 5, 6, 8)
 ROLES = ("k", "v")
 CALIBRATION_BITS = 4  # K and V width of each layer's propagated perturbation (step 3)
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 DEFAULT_CALIBRATION_TEXT = RESOURCES / "kvtune" / "calibration.txt"
 DEFAULT_N_TOKENS = 512
@@ -59,6 +61,17 @@ _GRID = 100_000  # cost units of the knapsack over the most expensive choice
 
 class KVTuneError(SettingsError):
     """A budget or calibration input kv-tune cannot work with."""
+
+
+class KVTuneCancelled(OmlxError):
+    """The sensitivity measurement was cancelled (nothing is stored)."""
+
+    kind = "cancelled"
+
+
+def _check_cancel(cancel) -> None:
+    if cancel is not None and cancel.is_set():
+        raise KVTuneCancelled("the KV sensitivity measurement was cancelled")
 
 
 # -- profile ------------------------------------------------------------------------------------
@@ -79,6 +92,7 @@ class Profile:
     energy: np.ndarray  # (n_layers, 2, len(bits)) mean squared attention-output change
     gain: np.ndarray  # (n_layers,) KL per unit of energy
     seconds: float = 0.0
+    gain_tokens: int = 0  # tokens the gains were measured over (step 3)
 
     @property
     def n_layers(self) -> int:
@@ -88,7 +102,8 @@ class Profile:
         return {"version": PROFILE_VERSION, "model_sha256": self.model_sha256, "text_sha256": self.text_sha256,
                 "n_tokens": self.n_tokens, "block_size": self.block_size, "sinks": self.sinks,
                 "rotation": self.rotation, "bits": list(self.bits), "kl": self.kl.tolist(),
-                "energy": self.energy.tolist(), "gain": self.gain.tolist(), "seconds": self.seconds}
+                "energy": self.energy.tolist(), "gain": self.gain.tolist(), "seconds": self.seconds,
+                "gain_tokens": self.gain_tokens}
 
     @classmethod
     def from_json(cls, data: dict) -> "Profile":
@@ -97,7 +112,8 @@ class Profile:
         return cls(data["model_sha256"], data["text_sha256"], int(data["n_tokens"]), int(data["block_size"]),
                    int(data["sinks"]), bool(data["rotation"]), tuple(int(b) for b in data["bits"]),
                    np.asarray(data["kl"], np.float64), np.asarray(data["energy"], np.float64),
-                   np.asarray(data["gain"], np.float64), float(data.get("seconds", 0.0)))
+                   np.asarray(data["gain"], np.float64), float(data.get("seconds", 0.0)),
+                   int(data.get("gain_tokens", 0)))
 
 
 def profile_path(model_sha256: str, text_sha256: str, n_tokens: int, options: KVConfig,
@@ -108,7 +124,7 @@ def profile_path(model_sha256: str, text_sha256: str, n_tokens: int, options: KV
 
         directory = cache_dir() / "kv-profiles"
     name = (f"{model_sha256[:32]}-{text_sha256[:16]}-n{n_tokens}-bs{options.block_size}-s{options.sinks}"
-            f"-r{int(options.rotation)}.json")
+            f"-r{int(options.rotation)}-v{PROFILE_VERSION}.json")
     return Path(directory) / name
 
 
@@ -264,9 +280,14 @@ def _kl(lp_ref: np.ndarray, lp: np.ndarray) -> np.ndarray:
 
 def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None = None,
                     bits: Sequence[int] = CANDIDATE_BITS, model_sha256: str | None = None,
-                    progress: Callable[[str, float], None] | None = None) -> Profile:
+                    progress: Callable[[str, float], None] | None = None, cancel=None,
+                    gain_tokens: int | None = None) -> Profile:
     """The sensitivity profile of `engine`'s model on `tokens` (N+1 ids; positions 0..N-1 are run
-    and predict 1..N), with the block size, sinks and rotation of `options`."""
+    and predict 1..N), with the block size, sinks and rotation of `options`. `gain_tokens`: run
+    the propagation passes (most of the time) over only the first tokens (None: all).
+
+    `cancel` (anything with ``is_set()``, e.g. a threading.Event) is checked between steps of at
+    most one layer's work; once set, KVTuneCancelled is raised."""
     t0 = time.perf_counter()
     options = parse_kv(options) if options is not None else KVConfig(block_size=DEFAULT_BLOCK_SIZE)
     model = engine.model
@@ -277,7 +298,11 @@ def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None =
     n_layers = model.n_layers
     if progress:
         progress("16-bit pass", 0.0)
+    _check_cancel(cancel)
     net = _Network(model, tokens[:-1], options)
+    # the propagation passes' own 16-bit pass over the first tokens (the whole text if shorter)
+    short = gain_tokens is not None and len(tokens) - 1 > gain_tokens >= options.block_size + 1
+    gain_net = _Network(model, tokens[:gain_tokens], options) if short else net
     energy = np.zeros((n_layers, 2, len(bits)))
     gain = np.zeros(n_layers)
     for layer in range(n_layers):
@@ -285,21 +310,23 @@ def measure_profile(engine, tokens: Sequence[int], *, options: KVConfig | None =
             progress("sensitivity", layer / n_layers)
         ref = net.attn[layer]["out"]
         for bi, b in enumerate(bits):
+            _check_cancel(cancel)
             for ri, (kb, vb) in enumerate(((b, 16), (16, b))):
                 energy[layer, ri, bi] = float(np.mean(np.square(net.attention_output(layer, kb, vb) - ref)))
-        cal = net.attention_output(layer, CALIBRATION_BITS, CALIBRATION_BITS)
-        e_cal = float(np.mean(np.square(cal - ref)))
-        gain[layer] = net.kl_with(layer, cal) / e_cal if e_cal > 0 else 0.0
+        _check_cancel(cancel)
+        cal = gain_net.attention_output(layer, CALIBRATION_BITS, CALIBRATION_BITS)
+        e_cal = float(np.mean(np.square(cal - gain_net.attn[layer]["out"])))
+        gain[layer] = gain_net.kl_with(layer, cal) / e_cal if e_cal > 0 else 0.0
     gain = np.maximum(gain, 0.0)  # a KL estimate below zero is rounding noise
     if progress:
         progress("sensitivity", 1.0)
     return Profile(model_sha256 or "", text_sha256(tokens), len(tokens) - 1, options.block_size, options.sinks,
                    options.rotation, tuple(int(b) for b in bits), gain[:, None, None] * energy, energy, gain,
-                   time.perf_counter() - t0)
+                   time.perf_counter() - t0, len(gain_net.inputs))
 
 
 def get_profile(engine, tokens: Sequence[int], *, options: KVConfig | None = None,
-                directory: Path | None = None, progress=None) -> tuple[Profile, bool]:
+                directory: Path | None = None, progress=None, cancel=None) -> tuple[Profile, bool]:
     """The stored profile for this model file, text and options, or a new one (then stored).
     Returns (profile, whether it came from the store)."""
     options = parse_kv(options) if options is not None else KVConfig()
@@ -308,7 +335,7 @@ def get_profile(engine, tokens: Sequence[int], *, options: KVConfig | None = Non
     stored = load_profile(path)
     if stored is not None and stored.n_layers == engine.model.n_layers:
         return stored, True
-    profile = measure_profile(engine, tokens, options=options, model_sha256=sha, progress=progress)
+    profile = measure_profile(engine, tokens, options=options, model_sha256=sha, progress=progress, cancel=cancel)
     save_profile(profile, path)
     return profile, False
 
@@ -335,17 +362,31 @@ class Costs:
         return float(self.choice[np.arange(n)[:, None], np.arange(2)[None, :], idx].sum() + self.fixed)
 
 
+def kv_shape(model) -> tuple[int, int, int, int, list]:
+    """(n_layers, n_kv_heads, head_dim, value_dim, windows) of a model, or of a geometry: an
+    object or dict with those fields (engine.models.base.KVGeometry, the app's ModelInfo.geometry)."""
+    if isinstance(model, dict):
+        g = model
+        return (int(g["n_layers"]), int(g["n_kv_heads"]), int(g["head_dim"]), int(g["value_dim"]),
+                list(g.get("windows") or [None] * int(g["n_layers"])))
+    if hasattr(model, "layer_window"):
+        n = model.n_layers
+        return n, model.n_kv_heads, model.head_dim, model.value_dim, [model.layer_window(i) for i in range(n)]
+    return model.n_layers, model.n_kv_heads, model.head_dim, model.value_dim, list(model.windows)
+
+
 def model_costs(model, options: KVConfig, bits: Sequence[int] = CANDIDATE_BITS, ctx: int | None = None) -> Costs:
-    """Costs for `model`'s layers: bytes per token of stored blocks (ctx None), or bytes held at
-    `ctx` tokens as engine.kv.config.estimate_bytes counts them."""
-    n, hkv, d, dv, bs = model.n_layers, model.n_kv_heads, model.head_dim, model.value_dim, options.block_size
+    """Costs for `model`'s layers (a model or its geometry, see kv_shape): bytes per token of
+    stored blocks (ctx None), or bytes held at `ctx` tokens as engine.kv.config.estimate_bytes
+    counts them."""
+    n, hkv, d, dv, windows = kv_shape(model)
+    bs = options.block_size
     choice = np.zeros((n, 2, len(bits)))
     if ctx is None:
         for bi, b in enumerate(bits):
             for ri, (role, dim) in enumerate((("k", d), ("v", dv))):
                 choice[:, ri, bi] = get_format(b, role).bytes_per_block(hkv, bs, dim) / bs
         return Costs(choice, 0.0, None, tuple(bits))
-    windows = [model.layer_window(i) for i in range(n)]
     fixed = None
     for bi, b in enumerate(bits):
         est = estimate_bytes(KVConfig(b, b, block_size=bs, sinks=options.sinks), n, hkv, d, ctx, dv, windows=windows)
@@ -363,7 +404,7 @@ def spec_widths(config: KVConfig, n_layers: int) -> np.ndarray:
 
 def budget_like(config: KVConfig, model, costs: Costs) -> float:
     """The bytes `config` holds under `costs` (a spec's width outside the candidates is refused)."""
-    widths = spec_widths(config, model.n_layers)
+    widths = spec_widths(config, kv_shape(model)[0])
     bad = sorted(set(widths.ravel()) - set(costs.bits))
     if bad:
         raise KVTuneError(f"--budget-like {config}: {bad[0]} bits is not a candidate width "
@@ -374,7 +415,7 @@ def budget_like(config: KVConfig, model, costs: Costs) -> float:
 def budget_for_bits(bits_per_value: float, model, options: KVConfig, ctx: int | None = None) -> float:
     """Bytes of `bits_per_value` stored bits per K/V element on average (scales included): per token
     over all layers (ctx None), or at `ctx` tokens with the tail and sink buffers added."""
-    n, hkv, d, dv = model.n_layers, model.n_kv_heads, model.head_dim, model.value_dim
+    n, hkv, d, dv, _ = kv_shape(model)
     if ctx is None:
         return bits_per_value / 8 * n * hkv * (d + dv)
     costs = model_costs(model, options, (16,), ctx)
@@ -426,6 +467,8 @@ def choose_widths(kl: np.ndarray, costs: Costs, budget: float, options: KVConfig
         raise KVTuneError(f"a budget of {budget:,.0f} bytes is below the smallest spec ({cheapest:,.0f} bytes, "
                           f"every layer at {min(costs.bits)} bits)")
     cap = min(int(math.floor(max(room, 0.0) / unit + 1e-9)), int(units.max(axis=2).sum()))
+    if room >= top * (1 - 1e-12):
+        cap = int(units.max(axis=2).sum())  # every combination fits (rounded-up units would miss some)
     inf = np.inf
     dp = np.full(cap + 1, inf)
     dp[0] = 0.0
@@ -492,13 +535,15 @@ class TuneResult:
     measured_kl: float | None
     measured_kv_bytes: int | None
     seconds: float
+    uniform_kl: float | None = None  # the budget's own spec, measured beside it (--budget-like)
+    fell_back: bool = False  # the choice measured no better than the budget's spec: that spec is the result
 
     def as_dict(self) -> dict:
         return {"spec": self.choice.spec, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "predicted_kl": self.choice.predicted_kl, "measured_kl": self.measured_kl,
                 "budget_bytes": self.choice.budget, "bytes": self.choice.bytes, "ctx": None,
                 "measured_kv_bytes": self.measured_kv_bytes, "profile_from_store": self.from_store,
-                "seconds": self.seconds,
+                "seconds": self.seconds, "budget_spec_kl": self.uniform_kl, "fell_back": self.fell_back,
                 "layers": [{"layer": i, "k_bits": int(k), "v_bits": int(v)} for i, (k, v) in enumerate(self.choice.widths)]}
 
 
@@ -506,6 +551,41 @@ def calibration_tokens(engine, text: str, n_tokens: int = DEFAULT_N_TOKENS) -> l
     """At most n_tokens + 1 ids of `text` (BOS added where the model wants one)."""
     ids = engine.tokenizer.encode(text, add_bos=True)
     return ids[: n_tokens + 1]
+
+
+def default_calibration_tokens(engine, n_tokens: int = DEFAULT_N_TOKENS) -> list[int]:
+    """The first n_tokens + 1 ids of the shipped calibration text (resources/kvtune)."""
+    return calibration_tokens(engine, DEFAULT_CALIBRATION_TEXT.read_text(encoding="utf-8"), n_tokens)
+
+
+def default_profile(engine, *, n_tokens: int = DEFAULT_N_TOKENS, directory: Path | None = None, progress=None,
+                    cancel=None) -> tuple[Profile, bool]:
+    """The profile behind the app's Auto preset, `omlx kv-tune` without --text-file and `omlx bench
+    --tuned`: the shipped calibration text, the default KV options (block size, sinks, no rotation).
+    Returns (profile, from store)."""
+    tokens = default_calibration_tokens(engine, n_tokens)
+    return get_profile(engine, tokens, options=KVConfig(), directory=directory, progress=progress, cancel=cancel)
+
+
+def memory_range(geometry, ctx: int, options: KVConfig | None = None,
+                 bits: Sequence[int] = CANDIDATE_BITS) -> tuple[float, float]:
+    """Bytes held at `ctx` tokens with every layer at the narrowest and at the widest candidate
+    width: the range a memory budget for `choose_for_memory` can take."""
+    costs = model_costs(geometry, options if options is not None else KVConfig(), bits, ctx)
+    return (float(costs.choice.min(axis=2).sum() + costs.fixed), float(costs.choice.max(axis=2).sum() + costs.fixed))
+
+
+def choose_for_memory(profile: Profile, geometry, ctx: int, budget_bytes: float,
+                      options: KVConfig | None = None) -> Choice:
+    """The widths with the least predicted KL whose KV at `ctx` tokens fits in `budget_bytes`
+    (`geometry`: a model or its geometry, see kv_shape). Options default to the profile's."""
+    if options is None:
+        options = KVConfig(block_size=profile.block_size, sinks=profile.sinks, rotation=profile.rotation)
+    n = kv_shape(geometry)[0]
+    if n != profile.n_layers:
+        raise KVTuneError(f"the profile is for {profile.n_layers} layers, the model has {n}")
+    costs = model_costs(geometry, options, profile.bits, ctx)
+    return choose_widths(profile.kl, costs, budget_bytes, options)
 
 
 def tune(engine, tokens: Sequence[int], *, budget_like_spec: str | KVConfig | None = None,
@@ -516,7 +596,11 @@ def tune(engine, tokens: Sequence[int], *, budget_like_spec: str | KVConfig | No
     Exactly one of `budget_like_spec`, `bits_per_value`, `budget_bytes` (which needs `ctx`). With
     `ctx`, bytes are those held at ctx tokens (sliding-window layers hold fewer); without, bytes per
     token of stored blocks. The options (block size, sinks, rotation) come from the spec given
-    as budget, else the defaults."""
+    as budget, else the defaults.
+
+    Verifying evaluates the choice on `tokens`; with a spec as the budget that spec is evaluated
+    beside it, and when the choice does not measure better, the result is that spec (fell_back):
+    a tuned spec is never knowingly worse than what it replaces."""
     t0 = time.perf_counter()
     given = [x is not None for x in (budget_like_spec, bits_per_value, budget_bytes)]
     if sum(given) != 1:
@@ -538,12 +622,23 @@ def tune(engine, tokens: Sequence[int], *, budget_like_spec: str | KVConfig | No
         budget = float(budget_bytes)
     choice = choose_widths(profile.kl, costs, budget, options)
     per_token = model_costs(model, options, profile.bits).total(choice.widths)
-    measured = measured_bytes = None
+    measured = measured_bytes = uniform = None
+    fell_back = False
     if verify:
         from .evaluate import evaluate_kv
 
         if progress:
             progress("verifying", 0.0)
-        quality = evaluate_kv(engine, tokens, [choice.config])[0]
-        measured, measured_bytes = quality.mean_kl, quality.kv_bytes
-    return TuneResult(choice, profile, from_store, per_token, measured, measured_bytes, time.perf_counter() - t0)
+        specs = [choice.config] + ([like] if like is not None and str(like) != choice.spec else [])
+        results = evaluate_kv(engine, tokens, specs)
+        measured, measured_bytes = results[0].mean_kl, results[0].kv_bytes
+        if len(results) > 1:
+            uniform = results[1].mean_kl
+            if uniform <= measured:
+                fell_back = True
+                widths = spec_widths(like, model.n_layers)
+                choice = Choice(widths, predicted_kl(profile, like), costs.total(widths), budget, like)
+                per_token = model_costs(model, options, profile.bits).total(widths)
+                measured, measured_bytes = uniform, results[1].kv_bytes
+    return TuneResult(choice, profile, from_store, per_token, measured, measured_bytes, time.perf_counter() - t0,
+                      uniform, fell_back)

@@ -7,6 +7,12 @@ The panel only describes a setting; it knows nothing of the engine. The setting 
 ``settingsChanged({"spec", "ctx", "overflow"})`` on every change (the window hands it to the
 worker, which applies it before the next turn) and keeps its whole state in :meth:`state` /
 :meth:`set_state` (a JSON-able dict the window saves in the Store).
+
+The Auto preset chooses per-layer widths for a memory budget ("KV at full context ≤ X", a
+slider) from the model's sensitivity profile (engine.kvtune): the panel asks for the profile with
+``tuneRequested`` (the window's AutoTuneController has the worker measure it or read it back) and
+solves the choice itself on every move of the slider; until a profile arrives the setting stays
+what it was.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (
     QAbstractItemView, QCheckBox, QComboBox, QFileDialog, QFormLayout, QGridLayout, QHBoxLayout,
-    QHeaderView, QLabel, QPushButton, QSlider, QSpinBox, QStyledItemDelegate, QTableWidget,
+    QHeaderView, QLabel, QProgressBar, QPushButton, QSlider, QSpinBox, QStyledItemDelegate, QTableWidget,
     QTableWidgetItem, QToolButton, QVBoxLayout, QWidget,
 )
 
@@ -27,6 +33,9 @@ from engine.kv.paged import OVERFLOW_POLICIES
 from .chart import format_bytes
 
 CUSTOM = "custom"   # the preset box's entry for anything that is not a preset
+AUTO = "auto"       # the preset box's entry for widths chosen from the model's sensitivity profile
+AUTO_STEPS = 1000   # the memory slider's positions, from every layer at 2 bits to every layer at 8
+DEFAULT_AUTO_POSITION = 400
 OVERFLOW_LABELS = {
     "stop": "Stop at the limit",
     "rolling": "Rolling (drop oldest)",
@@ -126,8 +135,55 @@ class LayerTable(QWidget):
                 item.setFlags(flags)
 
 
+class AutoSection(QWidget):
+    """The Auto preset's controls: the memory slider with its budget, the estimated quality, and
+    the sensitivity measurement's progress with Cancel (or Measure, to start it again). It only
+    shows what the panel tells it; the panel owns the setting."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.slider = QSlider(Qt.Orientation.Horizontal)
+        self.slider.setRange(0, AUTO_STEPS)
+        self.slider.setPageStep(AUTO_STEPS // 20)
+        self.slider.setValue(DEFAULT_AUTO_POSITION)
+        self.slider.setToolTip("Memory for the KV cache at full context; the Auto preset gives the layers "
+                               "that matter most the bits")
+        self.budget_label = QLabel()
+        self.quality_label = QLabel()
+        self.quality_label.setWordWrap(True)
+        self.quality_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.status_label = QLabel()
+        self.status_label.setWordWrap(True)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.progress.setTextVisible(False)
+        self.progress.setMaximumHeight(10)
+        self.cancel_button = QPushButton("Cancel")
+        self.measure_button = QPushButton("Measure")
+        self.measure_button.setToolTip("Measure how sensitive each layer's keys and values are (once per model file)")
+        running = QHBoxLayout()
+        running.setContentsMargins(0, 0, 0, 0)
+        running.addWidget(self.progress, 1)
+        running.addWidget(self.cancel_button)
+        running.addWidget(self.measure_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.budget_label)
+        layout.addWidget(self.slider)
+        layout.addWidget(self.quality_label)
+        layout.addWidget(self.status_label)
+        layout.addLayout(running)
+
+    def show_running(self, running: bool, can_measure: bool) -> None:
+        self.progress.setVisible(running)
+        self.cancel_button.setVisible(running)
+        self.measure_button.setVisible(not running and can_measure)
+
+
 class KVPanel(QWidget):
     settingsChanged = Signal(object)   # {"spec", "ctx", "overflow"}
+    tuneRequested = Signal()           # Auto needs the loaded model's sensitivity profile
+    tuneCancelled = Signal()           # the user cancelled the running measurement
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -142,11 +198,20 @@ class KVPanel(QWidget):
         self._n_layers: int | None = None
         self._max_ctx: int | None = None
         self._updating = False
+        # the Auto preset: the loaded model's profile (engine.kvtune.Profile), the slider's
+        # position, the last choice, and whether a measurement is running
+        self._profile = None
+        self._auto_position = DEFAULT_AUTO_POSITION
+        self._auto_choice = None
+        self._tuning = False
+        self._tune_message = ""
+        self._model_path: str | None = None
 
         # presets and high-precision mode
         self.preset_box = QComboBox()
         for name, label in KVConfig.presets():
             self.preset_box.addItem(label, name)
+        self.preset_box.addItem("Auto (fit to memory)", AUTO)
         self.preset_box.addItem("Custom", CUSTOM)
         self.preset_box.setToolTip("Bits per stored key (K) and value (V) in the KV cache")
         self.import_button = QPushButton("Import…")
@@ -218,6 +283,11 @@ class KVPanel(QWidget):
         self.table = self.advanced.table
         self.advanced.setVisible(False)
 
+        # the Auto preset
+        self.auto = AutoSection()
+        self.auto_slider = self.auto.slider
+        self.auto.setVisible(False)
+
         note = QLabel("Changes apply from the next message.")
         note.setStyleSheet("color: palette(mid);")
 
@@ -226,6 +296,7 @@ class KVPanel(QWidget):
         layout.setSpacing(6)
         layout.addLayout(form)
         layout.addLayout(sliders)
+        layout.addWidget(self.auto)
         layout.addWidget(self.high_precision)
         layout.addWidget(self.estimate_label)
         layout.addWidget(self.spec_label)
@@ -250,6 +321,9 @@ class KVPanel(QWidget):
             lambda: self.set_first_last(self.first_spin.value(), self.last_spin.value()))
         self.clear_layers.clicked.connect(lambda: self.set_overrides({}))
         self.table.itemChanged.connect(self._cell_edited)
+        self.auto_slider.valueChanged.connect(self._auto_moved)
+        self.auto.cancel_button.clicked.connect(self.tuneCancelled.emit)
+        self.auto.measure_button.clicked.connect(self._request_profile)
         self._refresh()
 
     def _slider(self, role: str) -> tuple[QSlider, QLabel]:
@@ -301,7 +375,7 @@ class KVPanel(QWidget):
         """Everything needed to restore the panel (JSON-able)."""
         return {**self._core(), "high_precision": self._hp, "before_high_precision": self._before_hp,
                 "ctx": self.ctx_spin.value(), "overflow": self.overflow(),
-                "advanced_open": self.advanced_button.isChecked()}
+                "advanced_open": self.advanced_button.isChecked(), "auto_position": self._auto_position}
 
     def set_state(self, state: dict | None) -> None:
         if not state:
@@ -316,6 +390,10 @@ class KVPanel(QWidget):
             if state.get("overflow") in OVERFLOW_POLICIES:
                 self.overflow_box.setCurrentIndex(OVERFLOW_POLICIES.index(state["overflow"]))
             self.advanced_button.setChecked(bool(state.get("advanced_open")))
+            position = state.get("auto_position")
+            if isinstance(position, int) and 0 <= position <= AUTO_STEPS:
+                self._auto_position = position
+                self.auto_slider.setValue(position)
         finally:
             self._updating = False
         self._changed()
@@ -332,7 +410,8 @@ class KVPanel(QWidget):
                                   rotation=core.get("rotation", default.rotation))
         except KVConfigError:
             self._base = default.with_bits(k, v)
-        self._preset = core.get("preset") if core.get("preset") in dict(KVConfig.presets()) else CUSTOM
+        known = {*dict(KVConfig.presets()), AUTO}
+        self._preset = core.get("preset") if core.get("preset") in known else CUSTOM
         self._overrides = {int(i): (int(kv[0]), int(kv[1]))
                            for i, kv in (core.get("overrides") or {}).items()
                            if int(i) >= 0 and int(kv[0]) in SELECTABLE_BITS and int(kv[1]) in SELECTABLE_BITS}
@@ -341,6 +420,10 @@ class KVPanel(QWidget):
     def set_model(self, info: dict | None) -> None:
         """The loaded model (the worker's model info): its geometry for the estimate, its
         layers for the table, its context length as the context's maximum."""
+        path = info.get("path") if info else None
+        if self._profile is not None and path != self._model_path:
+            self._profile, self._auto_choice = None, None   # another model's profile
+        self._model_path = path
         self._geometry = info["geometry"] if info else None
         self._n_layers = self._geometry["n_layers"] if self._geometry else None
         self._max_ctx = info["context_length"] if info else None
@@ -357,6 +440,8 @@ class KVPanel(QWidget):
         finally:
             self._updating = False
         self._changed()
+        if self._preset == AUTO and self._profile is None and not self._hp:
+            self._request_profile()
 
     # -- user actions ---------------------------------------------------------------------
     def select_preset(self, name: str) -> None:
@@ -372,7 +457,10 @@ class KVPanel(QWidget):
     def _preset_chosen(self, index: int) -> None:
         name = self.preset_box.itemData(index)
         self._preset = name
-        if name != CUSTOM:
+        if name == AUTO:
+            if self._profile is None:
+                self._request_profile()
+        elif name != CUSTOM:
             self._base = KVConfig.preset(name)
             self._overrides = {}
         self._changed()
@@ -495,10 +583,138 @@ class KVPanel(QWidget):
         if not self._updating:
             self.settingsChanged.emit(self.settings())
 
+    # -- the Auto preset ------------------------------------------------------------------
+    def _request_profile(self) -> None:
+        """Asks for the loaded model's sensitivity profile (nothing while no model is loaded or a
+        measurement runs)."""
+        if self._geometry is None or self._tuning:
+            return
+        self._tuning = True
+        self._tune_message = "Measuring each layer's sensitivity…"
+        self.auto.progress.setValue(0)
+        self._refresh()
+        self.tuneRequested.emit()
+
+    def tune_progress(self, stage: str, fraction: float) -> None:
+        """The measurement's progress (from the worker)."""
+        self._tuning = True
+        self.auto.progress.setValue(int(round(max(0.0, min(1.0, fraction)) * 1000)))
+        if stage == "sensitivity" and self._n_layers:
+            done = min(self._n_layers, int(fraction * self._n_layers))
+            self._tune_message = f"Measuring each layer's sensitivity: {done} of {self._n_layers} layers"
+        else:
+            self._tune_message = f"Measuring each layer's sensitivity: {stage}"
+        self.auto.status_label.setText(self._tune_message)
+        self.auto.show_running(True, False)
+
+    def tune_failed(self, kind: str, message: str) -> None:
+        """The measurement stopped (cancelled or failed): the setting stays what it was."""
+        self._tuning = False
+        self._tune_message = ("Cancelled: the setting stays as it was." if kind == "cancelled"
+                              else f"<span style='color:#dc2626'>Cannot measure: {message}</span>")
+        self._refresh()
+
+    def set_profile(self, profile, model_path: str | None = None, from_store: bool = False,
+                    seconds: float = 0.0) -> None:
+        """The loaded model's sensitivity profile (engine.kvtune.Profile); under the Auto preset
+        the widths are chosen from it at once. A profile for another model file is ignored."""
+        if model_path is not None and model_path != self._model_path:
+            return
+        if self._n_layers is not None and profile.n_layers != self._n_layers:
+            return
+        self._tuning = False
+        self._profile = profile
+        self._tune_message = ("Sensitivity profile read back from the store" if from_store
+                              else f"Sensitivity measured in {seconds:.0f} s (kept for this model file)")
+        self._changed()
+
+    def profile(self):
+        return self._profile
+
+    def auto_choice(self):
+        """The Auto preset's last choice (engine.kvtune.Choice: widths, predicted KL, bytes at the
+        context, budget), or None."""
+        return self._auto_choice
+
+    def is_tuning(self) -> bool:
+        return self._tuning
+
+    def auto_budget(self) -> float | None:
+        """The memory slider's budget in bytes at full context (None without a model)."""
+        if self._geometry is None:
+            return None
+        from engine import kvtune
+
+        low, high = kvtune.memory_range(self._geometry, self.ctx_spin.value())
+        return low + (high - low) * self._auto_position / AUTO_STEPS
+
+    def set_auto_budget(self, budget: float) -> None:
+        """As moving the memory slider to the position nearest `budget` bytes (not above it)."""
+        from engine import kvtune
+
+        low, high = kvtune.memory_range(self._geometry, self.ctx_spin.value())
+        position = int((budget - low) / (high - low) * AUTO_STEPS) if high > low else AUTO_STEPS
+        self.auto_slider.setValue(max(0, min(AUTO_STEPS, position)))
+
+    def _auto_moved(self, position: int) -> None:
+        if self._updating:
+            return
+        self._auto_position = int(position)
+        self._changed()
+
+    def _apply_auto(self) -> None:
+        """Sets the base and per-layer widths to the profile's best choice for the budget."""
+        from engine import kvtune
+
+        budget = self.auto_budget()
+        if budget is None or self._profile is None:
+            return
+        try:
+            choice = kvtune.choose_for_memory(self._profile, self._geometry, self.ctx_spin.value(), budget)
+        except kvtune.KVTuneError as exc:
+            self._auto_choice = None
+            self._tune_message = f"<span style='color:#dc2626'>{exc}</span>"
+            return
+        self._auto_choice = choice
+        config = choice.config
+        self._base = config.with_overrides(())
+        self._overrides = {i: (int(k), int(v)) for i, (k, v) in enumerate(choice.widths)
+                           if (int(k), int(v)) != (config.k_bits, config.v_bits)}
+
+    def _refresh_auto(self) -> None:
+        show = self._preset == AUTO and not self._hp
+        self.auto.setVisible(show)
+        if not show:
+            return
+        self.auto_slider.setValue(self._auto_position)
+        self.auto_slider.setEnabled(self._geometry is not None)
+        budget = self.auto_budget()
+        if budget is None:
+            self.auto.budget_label.setText("KV at full context ≤ … (load a model)")
+        else:
+            self.auto.budget_label.setText(f"KV at full context ≤ <b>{format_bytes(budget)}</b>")
+        choice, profile = self._auto_choice, self._profile
+        if choice is not None and profile is not None:
+            from engine import kvtune
+
+            uniform = ", ".join(f"{spec.upper()} {kvtune.predicted_kl(profile, KVConfig.parse(spec)):.4f}"
+                                for spec in ("k4v4", "k6v4"))
+            self.auto.quality_label.setText(
+                f"Estimated quality: mean KL {choice.predicted_kl:.4f} vs 16-bit KV "
+                f"(uniform {uniform}; lower is better)")
+        elif profile is None:
+            self.auto.quality_label.setText("Estimated quality: after the model's sensitivity is measured")
+        else:
+            self.auto.quality_label.setText("")
+        self.auto.status_label.setText(self._tune_message)
+        self.auto.show_running(self._tuning, self._profile is None and self._geometry is not None)
+
     # -- refresh --------------------------------------------------------------------------
     def _changed(self) -> None:
         if self._updating:
             return
+        if self._preset == AUTO and self._profile is not None and not self._hp:
+            self._apply_auto()      # the budget, the context or the profile changed
         if self.import_label.text():
             self._show_import("")
         self._refresh()
@@ -522,6 +738,7 @@ class KVPanel(QWidget):
             self._fill_table(config)
             self.spec_label.setText(f"Spec: {config}")
             self._update_estimate(config)
+            self._refresh_auto()
         finally:
             self._updating = False
 
@@ -558,4 +775,4 @@ class KVPanel(QWidget):
         return hint.expandedTo(hint.__class__(320, hint.height()))
 
 
-__all__ = ["KVPanel", "layer_spec"]
+__all__ = ["AUTO", "KVPanel", "layer_spec"]

@@ -126,6 +126,16 @@ class RemoveDocument:
 
 
 @dataclass(frozen=True)
+class MeasureKVProfile:
+    """Measure (or read back from the store) the loaded model's per-layer KV sensitivity profile
+    for the KV panel's Auto preset (engine.kvtune.default_profile); ``cancel`` set: stop at the
+    next layer step. ``n_tokens`` None: the default calibration length."""
+
+    cancel: threading.Event
+    n_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Close the session (the last request before the thread quits)."""
 
@@ -196,6 +206,17 @@ class KVApplied:
 
     kv_spec: str
     kv_bytes_per_token: float
+
+
+@dataclass(frozen=True)
+class KVProfileReady:
+    """The sensitivity profile of the model at ``model_path`` (an engine.kvtune.Profile, read
+    only once sent)."""
+
+    model_path: str
+    profile: object
+    from_store: bool
+    seconds: float
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from PySide6.QtCore import QByteArray, Qt, QThread, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMenu
 
+from .autotune import AutoTuneController
 from .chat import ChatController, Turn, stats_text
 from .conversations import ConversationsController
 from .documents import DocumentsController
@@ -91,6 +92,7 @@ class MainWindow(QMainWindow):
         self._connect_widgets()
         self._build_actions()
         self._start_worker()
+        self.autotune = AutoTuneController(self)    # the KV panel's Auto preset <-> the worker
         self._restore_layout()
         self.smoke = SmokeTestDriver(self) if smoke_test else None
 

@@ -31,9 +31,9 @@ from engine.fit import DOES_NOT_FIT
 
 from .protocol import (
     AddDocument, Configure, ConnectRemote, DocumentAdded, DocumentFailed, DocumentInfo, DocumentPinned,
-    DocumentsChanged, Failure, FetchModel, FitCheck, KVApplied, ListRemoteModels, LoadModel, ModelInfo,
-    OpenConversation, RemoteModels, RemoveDocument, SendMessage, SetPinned, Shutdown, TurnFailed,
-    TurnFinished,
+    DocumentsChanged, Failure, FetchModel, FitCheck, KVApplied, KVProfileReady, ListRemoteModels, LoadModel,
+    MeasureKVProfile, ModelInfo, OpenConversation, RemoteModels, RemoveDocument, SendMessage, SetPinned,
+    Shutdown, TurnFailed, TurnFinished,
 )
 
 log = logging.getLogger("omlx.desktop.worker")
@@ -75,6 +75,16 @@ class KVHolder:
             return self._value
 
 
+class _EitherEvent:
+    """Set when either of two Events is (a request's cancel, the window's abort)."""
+
+    def __init__(self, a: threading.Event, b: threading.Event):
+        self.a, self.b = a, b
+
+    def is_set(self) -> bool:
+        return self.a.is_set() or self.b.is_set()
+
+
 def is_frozen() -> bool:
     return bool(getattr(sys, "frozen", False))
 
@@ -103,6 +113,10 @@ class EngineWorker(QObject):
     conversationOpened = Signal(int)
     error = Signal(object)                      # Failure not tied to one request's result
     settingsApplied = Signal(object)            # KVApplied
+    # the KV panel's Auto preset
+    kvProfileProgress = Signal(str, float)      # stage, fraction done
+    kvProfileReady = Signal(object)             # KVProfileReady
+    kvProfileFailed = Signal(object)            # Failure (kind "cancelled" when cancelled)
 
     def __init__(self, kv_holder: KVHolder | None = None):
         super().__init__()
@@ -121,7 +135,8 @@ class EngineWorker(QObject):
             FetchModel: self.fetch, LoadModel: self.load, Configure: self.configure,
             OpenConversation: self.open_conversation, SendMessage: self.send,
             AddDocument: self.add_document, SetPinned: self.set_pinned,
-            RemoveDocument: self.remove_document, Shutdown: self.shutdown,
+            RemoveDocument: self.remove_document, MeasureKVProfile: self.measure_kv_profile,
+            Shutdown: self.shutdown,
             ListRemoteModels: self.list_remote_models, ConnectRemote: self.connect_remote,
         }
 
@@ -497,6 +512,29 @@ class EngineWorker(QObject):
             self.error.emit(Failure.of(exc))
         self._publish_kv()
         self.documentsChanged.emit(self._documents(request.conv))
+
+    # -- KV sensitivity (Auto preset) -----------------------------------------------------
+    def measure_kv_profile(self, request: MeasureKVProfile) -> None:
+        """The loaded model's KV sensitivity profile: from the store (per model file sha256), or
+        measured with progress; stops when the request's cancel or the window's abort is set."""
+        from engine import kvtune
+        from engine.errors import EngineError
+
+        t0 = time.perf_counter()
+        try:
+            if self.engine is None:
+                raise EngineError("no local model is loaded: load one before measuring its KV sensitivity")
+            cancel = _EitherEvent(request.cancel, self.abort)
+            kwargs = {"n_tokens": request.n_tokens} if request.n_tokens else {}
+            profile, from_store = kvtune.default_profile(
+                self.engine, progress=lambda s, f: self.kvProfileProgress.emit(s, float(f)), cancel=cancel,
+                **kwargs)
+        except Exception as exc:
+            log.info("KV sensitivity profile failed: %s", exc)
+            self.kvProfileFailed.emit(Failure.of(exc))
+            return
+        self.kvProfileReady.emit(KVProfileReady(str(self.engine.path), profile, from_store,
+                                                time.perf_counter() - t0))
 
     def shutdown(self, _request: Shutdown | None = None) -> None:
         self._close_session()

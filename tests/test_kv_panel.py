@@ -25,7 +25,7 @@ def write(path, data) -> str:
 
 def test_the_panel_offers_the_engines_presets_and_bits(panel):
     box = [(panel.preset_box.itemData(i), panel.preset_box.itemText(i)) for i in range(panel.preset_box.count())]
-    assert box == KVConfig.presets() + [("custom", "Custom")]
+    assert box == KVConfig.presets() + [("auto", "Auto (fit to memory)"), ("custom", "Custom")]
     assert panel.k_slider.maximum() == len(SELECTABLE_BITS) - 1
     for index, bits in enumerate(SELECTABLE_BITS):
         panel.k_slider.setValue(index)

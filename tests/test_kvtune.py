@@ -166,3 +166,73 @@ def test_bench_tuned_specs_fit_the_uniform_bytes(tiny_engine, monkeypatch, tmp_p
     for uniform, spec in tuned.items():
         widths = kvtune.spec_widths(KVConfig.parse(spec), model.n_layers)
         assert costs.total(widths) <= kvtune.budget_like(KVConfig.parse(uniform), model, costs)
+
+
+def test_a_set_cancel_stops_the_measurement_and_stores_nothing(tiny_engine, tmp_path):
+    import threading
+
+    tokens = _tokens(tiny_engine)
+    cancel = threading.Event()
+    stages = []
+
+    def progress(stage, fraction):
+        stages.append((stage, fraction))
+        if stage == "sensitivity" and fraction > 0:
+            cancel.set()                                # during the second layer
+
+    with pytest.raises(kvtune.KVTuneCancelled) as info:
+        kvtune.get_profile(tiny_engine, tokens, options=OPTIONS, directory=tmp_path, progress=progress,
+                           cancel=cancel)
+    assert info.value.kind == "cancelled"
+    assert not list(tmp_path.iterdir())
+    assert stages[-1][0] == "sensitivity" and stages[-1][1] < 1.0
+
+
+def test_choice_for_memory_at_a_context_and_the_memory_range(tiny_engine):
+    model = tiny_engine.model
+    geometry = {"n_layers": model.n_layers, "n_kv_heads": model.n_kv_heads, "head_dim": model.head_dim,
+                "value_dim": model.value_dim, "windows": [model.layer_window(i) for i in range(model.n_layers)]}
+    kl = _synthetic_kl(model.n_layers)
+    profile = kvtune.Profile("", "", 0, 32, 4, False, kvtune.CANDIDATE_BITS, kl, kl, np.ones(model.n_layers))
+    low, high = kvtune.memory_range(geometry, 1000)
+    assert low == pytest.approx(kvtune.model_costs(model, KVConfig(), ctx=1000).total(np.full((model.n_layers, 2), 2)))
+    for budget in np.linspace(low, high, 7):
+        choice = kvtune.choose_for_memory(profile, geometry, 1000, budget)
+        held = kvtune.model_costs(model, KVConfig(), ctx=1000).total(choice.widths)
+        assert held <= budget + 1e-6 and choice.bytes == pytest.approx(held)
+    assert (choice.widths == 8).all()                   # the top of the range is every layer at 8 bits
+    with pytest.raises(kvtune.KVTuneError, match="layers"):
+        kvtune.choose_for_memory(profile, {**geometry, "n_layers": model.n_layers + 1,
+                                           "windows": [None] * (model.n_layers + 1)}, 1000, high)
+
+
+def test_default_calibration_is_the_shipped_texts_first_tokens(tiny_engine):
+    tokens = kvtune.default_calibration_tokens(tiny_engine, 100)
+    text = kvtune.DEFAULT_CALIBRATION_TEXT.read_text(encoding="utf-8")
+    assert tokens == tiny_engine.tokenizer.encode(text, add_bos=True)[:101] and len(tokens) == 101
+
+
+def test_gains_over_the_first_tokens_and_a_stored_profile_says_so(tiny_engine, tmp_path):
+    tokens = _tokens(tiny_engine, 96)
+    short = kvtune.measure_profile(tiny_engine, tokens, options=OPTIONS, gain_tokens=40)
+    whole = kvtune.measure_profile(tiny_engine, tokens, options=OPTIONS)
+    assert (short.gain_tokens, whole.gain_tokens) == (40, 96)
+    np.testing.assert_allclose(short.energy, whole.energy)       # the local errors are over every token
+    assert not np.allclose(short.gain, whole.gain)
+    path = tmp_path / "p.json"
+    kvtune.save_profile(short, path)
+    assert kvtune.load_profile(path).gain_tokens == 40
+
+
+def test_verifying_never_returns_a_spec_measured_worse_than_the_budgets(tiny_engine, tmp_path):
+    tokens = _tokens(tiny_engine)
+    for spec in ("k4v4,bs=8,sinks=2", "k3v3,bs=8,sinks=2", "k6v4,bs=8,sinks=2"):
+        result = kvtune.tune(tiny_engine, tokens, budget_like_spec=spec, directory=tmp_path)
+        assert result.uniform_kl is not None or result.choice.spec == str(KVConfig.parse(spec))
+        if result.uniform_kl is not None:
+            assert result.measured_kl <= result.uniform_kl
+        if result.fell_back:
+            assert result.choice.spec == str(KVConfig.parse(spec))
+            assert result.measured_kl == result.uniform_kl
+        real = evaluate_kv(tiny_engine, tokens, [result.choice.config])[0].mean_kl
+        assert real == pytest.approx(result.measured_kl, rel=1e-9)
