@@ -206,3 +206,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def leftovers(folder: Path) -> list[Path]:
+    """Files a download left in ``folder``; the cross-process lock files under ``hf/.locks/`` are
+    meant to stay (deleting a lock file another process waits on would break the lock)."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and ".locks" not in p.parts) \
+        if folder.exists() else []

@@ -21,7 +21,7 @@ from engine.errors import CatalogError, HubError
 from engine.gguf_file import GGUFFile
 
 from . import tiny_gguf
-from .hub_standin import COMMIT, HubStandIn, sha256_of
+from .hub_standin import COMMIT, HubStandIn, leftovers, sha256_of
 from .tiny_gguf import write_tiny_model
 
 SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,13 +65,6 @@ def standin(files, tmp_path, monkeypatch):
 def omlx(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
                           timeout=300, env=env or dict(os.environ), **kwargs)
-
-
-def leftovers(folder: Path) -> list[Path]:
-    """Files a download left in ``folder``; the cross-process lock files under ``hf/.locks/`` are
-    meant to stay (deleting a lock file another process waits on would break the lock)."""
-    return sorted(p for p in folder.rglob("*") if p.is_file() and ".locks" not in p.parts) \
-        if folder.exists() else []
 
 
 # ------------------------------------------------------------------------------------- names

@@ -24,7 +24,7 @@ from engine.errors import HubError  # noqa: E402
 from omlx_desktop.hub_dialog import parse_repo_text  # noqa: E402
 from omlx_desktop.window import MainWindow  # noqa: E402
 
-from .hub_standin import HubStandIn, sha256_of  # noqa: E402
+from .hub_standin import HubStandIn, leftovers, sha256_of  # noqa: E402
 from .qt_wait import wait_until  # noqa: E402
 from .tiny_gguf import write_tiny_model  # noqa: E402
 
@@ -33,10 +33,6 @@ REPO = "test-org/SmolLM2-135M-Instruct-GGUF"
 TINY_REPO = "test-org/tiny-GGUF"
 TINY_FILE = "tiny-Q8_0.gguf"
 TIMEOUT = 120.0
-
-
-def leftovers(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
 
 
 @pytest.fixture(scope="module")
