@@ -196,6 +196,10 @@ class _LayerCaches:
     def __len__(self):
         return len(self.layers)
 
+    def positions(self, n_tokens: int) -> np.ndarray:
+        """As KVCache.positions: the models take each new token's position from the cache."""
+        return self.offset + np.arange(n_tokens)
+
 
 def _final_norm(model, x: np.ndarray) -> np.ndarray | None:
     from .models.base import rms_norm
