@@ -234,7 +234,10 @@ def note_first_token(ttft_s: float) -> None:
     try:
         import psutil
 
-        since_start = f", {time.time() - psutil.Process().create_time():.1f} s after the process started"
+        process = psutil.Process()
+        cpu = process.cpu_times()
+        since_start = (f", {time.time() - process.create_time():.1f} s after the process started "
+                       f"({cpu.user + cpu.system:.1f} s of CPU time)")
     except Exception:  # psutil missing or the process table unreadable: the request time alone
         pass
     waiting = [g.name for g in _groups.values() if g.state != "ready"]
