@@ -1,6 +1,7 @@
 """The speed issue's measurements: prefill/decode against llama.cpp, and peak memory.
 
     .venv/bin/python benchmarks/bench_engine.py [--cases NAME ...] [--decode 16] [--rounds 3] [--no-rss]
+                                                [--llama-venv /tmp/llvenv]
 
 Cases (model, context, our KV, llama.cpp's KV):
 
@@ -8,6 +9,13 @@ Cases (model, context, our KV, llama.cpp's KV):
     smollm2-4096      SmolLM2, 4,096 tokens, 16-bit KV          vs llama.cpp f16
     smollm2-4096-k4v4 SmolLM2, 4,096 tokens, K4V4               vs llama.cpp q4_0/q4_0 (flash attention)
     gemma3-512        Gemma3, 512 tokens, 16-bit KV             vs llama.cpp f16
+    1b-q4_0, 1b-q8_0  Llama-3.2-1B shape (2048 x 16 layers, 32/8 heads, FFN 8192), 512 tokens, 16-bit
+                      KV vs llama.cpp f16; Q4_0 / Q8_0 weights
+    3b-q4_0, 3b-q8_0  3B shape (3072 x 28 layers, 24/8 heads, FFN 8192), likewise
+
+The 1B / 3B files have random weights (speed and memory do not depend on them) and SmolLM2's
+tokenizer; `benchmarks/synth_speed.py` writes them into the models folder's synthetic/ on first use
+(never into the repository).
 
 Each case prefills the gpl-3 text (repeated to the context length) in one process, then decodes
 `rounds` windows of `decode` tokens (greedy) and reports the median window: this machine is shared
@@ -21,7 +29,11 @@ alternating decode windows (2 x rounds + 1 each, medians), the fair way to compa
 Peak RSS (a fresh process per model): generating 256 tokens after a 4,096-token prompt with 16-bit
 KV, against the issue's bound GGUF file size + KV bytes + 350 MiB; both the generation's own peak
 (`GenerationStats.peak_rss_bytes`) and the whole process's (VmHWM, loading included: on the
-first start after the kernels changed it includes numba compiling them, hundreds of MiB).
+first start after the kernels changed it includes numba compiling them, hundreds of MiB). The 1B /
+3B models: 64 tokens after their 512-token prompt, against file + KV + 300 MiB (issue 16's bound).
+
+Kernels: the run compiles (or loads) every kernel before measuring (OMLX_KERNEL_WARMUP=wait).
+llama.cpp: `--llama-venv DIR` appends that venv's site-packages to sys.path, after ours.
 """
 
 from __future__ import annotations
@@ -39,8 +51,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMLX_KERNEL_WARMUP", "wait")  # measure the compiled paths, not the first-start fallbacks
 
-from engine.catalog import resolve_model  # noqa: E402
+from engine.catalog import models_dir, resolve_model  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
 from bench_common import prefill_and_decode, prompt_ids  # noqa: E402  (benchmarks/, the script's folder)
@@ -50,7 +63,17 @@ CASES = {  # name -> (catalog model, context, our KV spec, llama.cpp KV type)
     "smollm2-4096": ("smollm2-135m-instruct", 4096, "full", "f16"),
     "smollm2-4096-k4v4": ("smollm2-135m-instruct", 4096, "k4v4", "q4_0"),
     "gemma3-512": ("gemma3-270m", 512, "full", "f16"),
+    "1b-q4_0": ("synthetic:speed-1b-q4_0", 512, "full", "f16"),
+    "1b-q8_0": ("synthetic:speed-1b-q8_0", 512, "full", "f16"),
+    "3b-q4_0": ("synthetic:speed-3b-q4_0", 512, "full", "f16"),
+    "3b-q8_0": ("synthetic:speed-3b-q8_0", 512, "full", "f16"),
 }
+# synthetic models: name -> synth_speed.py shape arguments (the quantization is the name's suffix)
+SYNTHETIC_SHAPES = {
+    "speed-1b": ["--dim", "2048", "--layers", "16", "--heads", "32", "--kv-heads", "8", "--ffn", "8192"],
+    "speed-3b": ["--dim", "3072", "--layers", "28", "--heads", "24", "--kv-heads", "8", "--ffn", "8192"],
+}
+SYNTHETIC_RSS = (512, 64, 300)  # prompt tokens, generated tokens, MiB over file + KV (issue 16)
 # (model, context, llama.cpp KV) → (prefill, decode) tok/s recorded in the speed issue (2 threads)
 ISSUE_FIGURES = {
     ("smollm2-135m-instruct", 512, "f16"): (266.0, 113.0),
@@ -58,6 +81,31 @@ ISSUE_FIGURES = {
     ("smollm2-135m-instruct", 4096, "f16"): (199.0, 56.0),
 }
 RSS_BUDGET_MIB = 350
+
+
+def model_file(model: str) -> Path:
+    """A catalog model's file, or a synthetic speed model's (written by synth_speed.py when missing)."""
+    if not model.startswith("synthetic:"):
+        return resolve_model(model, fetch_missing=True)
+    name = model.split(":", 1)[1]
+    path = models_dir() / "synthetic" / f"{name}.gguf"
+    if not path.exists():
+        base, quant = name.rsplit("-", 1)
+        source = resolve_model("smollm2-135m-instruct", fetch_missing=True)  # the tokenizer's source
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "synth_speed.py"), str(source), str(partial),
+                        *SYNTHETIC_SHAPES[base], "--quant", quant], check=True)
+        partial.rename(path)
+    return path
+
+
+def add_llama_venv(venv: str) -> None:
+    """Append the site-packages of the venv llama-cpp-python was built into to sys.path (after ours)."""
+    found = sorted(Path(venv).glob("lib/python3*/site-packages"))
+    if not found:
+        raise SystemExit(f"{venv}: no lib/python3*/site-packages")
+    sys.path.append(str(found[-1]))
 
 
 def measure_ours(engine: Engine, ids: list[int], kv: str, n_decode: int, rounds: int) -> tuple[float, float]:
@@ -100,11 +148,13 @@ def vm_hwm() -> int:
 
 
 def rss_worker(model: str) -> None:
-    """Runs in a fresh process: 256 tokens after a 4,096-token prompt, 16-bit KV; prints JSON."""
-    path = resolve_model(model, fetch_missing=True)
+    """Runs in a fresh process: 256 tokens after a 4,096-token prompt (synthetic models: 64 after
+    512), 16-bit KV; prints JSON."""
+    path = model_file(model)
     engine = Engine.load(path, kv="full")
-    ids = prompt_ids(engine, 4096)
-    result = engine.generate(ids, max_tokens=256, stop=[])
+    context, n_tokens = (SYNTHETIC_RSS[:2] if model.startswith("synthetic:") else (4096, 256))
+    ids = prompt_ids(engine, context)
+    result = engine.generate(ids, max_tokens=n_tokens, stop=[])
     process_peak = vm_hwm()
     print(json.dumps({"model": model, "file": os.path.getsize(path), "kv_bytes": result.stats.kv_capacity_bytes,
                       "peak_rss": result.stats.peak_rss_bytes, "process_peak": process_peak,
@@ -121,8 +171,11 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=16, help="tokens per decode window")
     parser.add_argument("--rounds", type=int, default=3, help="decode windows (median reported)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs")
+    parser.add_argument("--llama-venv", help="a venv with llama-cpp-python: its site-packages go after ours")
     parser.add_argument("--rss-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.llama_venv:
+        add_llama_venv(args.llama_venv)
     if args.rss_worker:
         rss_worker(args.rss_worker)
         return
@@ -133,7 +186,7 @@ def main() -> None:
     engines: dict[str, Engine] = {}
     for name in args.cases:
         model, context, kv, llama_kv = CASES[name]
-        path = resolve_model(model, fetch_missing=True)
+        path = model_file(model)
         engine = engines.get(model) or engines.setdefault(model, Engine.load(path, kv="full"))
         ids = prompt_ids(engine, context)
         prefill, decode = measure_ours(engine, ids, kv, args.decode, args.rounds)
@@ -156,16 +209,17 @@ def main() -> None:
     if args.no_rss:
         return
     print()
-    print("| model | peak RSS generating | process peak | bound (file + KV + 350 MiB) | within |")
+    print("| model | peak RSS generating | process peak | bound (file + KV + budget) | within |")
     print("|---|---|---|---|---|")
     for model in sorted({CASES[c][0] for c in args.cases}):
         out = subprocess.run([sys.executable, __file__, "--rss-worker", model], capture_output=True, text=True,
                              check=True).stdout.strip().splitlines()[-1]
         r = json.loads(out)
-        bound = r["file"] + r["kv_bytes"] + RSS_BUDGET_MIB * 2**20
+        budget = SYNTHETIC_RSS[2] if model.startswith("synthetic:") else RSS_BUDGET_MIB
+        bound = r["file"] + r["kv_bytes"] + budget * 2**20
         within = "yes" if max(r["peak_rss"], r["process_peak"]) <= bound else "NO"
         print(f"| {model} | {r['peak_rss'] / 2**20:.0f} MiB | {r['process_peak'] / 2**20:.0f} MiB | "
-              f"{r['file'] / 2**20:.0f} + {r['kv_bytes'] / 2**20:.0f} + {RSS_BUDGET_MIB} = {bound / 2**20:.0f} MiB | "
+              f"{r['file'] / 2**20:.0f} + {r['kv_bytes'] / 2**20:.0f} + {budget} = {bound / 2**20:.0f} MiB | "
               f"{within} |", flush=True)
 
 

@@ -13,11 +13,13 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .gguf_file import GGUFError, GGUFFile
+from .kernels import background
 from .kv.cache import KVCache
 from .kv.config import KVConfig, parse_kv
 from .kv.formats import get_format
 from .errors import KVPoolFull
-from .kv.paged import ContextFull, warm_up_attention
+from .kv.paged import ContextFull
+from .kv.paged_attention import start_warm_up
 from .memory import PeakRSS, release_free_heap
 from .models import load_model
 from .models.base import BaseModel
@@ -152,7 +154,7 @@ class Engine:
         model = load_model(gguf)
         if progress:
             progress("preparing kernels", 0.9)
-        warm_up_attention()
+        start_warm_up()  # the rest compiles in the background on a first start (exact fallbacks answer)
         if progress:
             progress("ready", 1.0)
         engine = cls(gguf, model, tokenizer, kv)
@@ -367,6 +369,7 @@ class Engine:
             if t_first is None:
                 t_first = time.perf_counter()
                 stats.ttft_s = t_first - t_start
+                background.note_first_token(stats.ttft_s)
             if token in self.tokenizer.stop_ids:
                 reason = "stop"
                 break

@@ -237,8 +237,9 @@ class WeightStore:
         if backend == "quant":
             from .kernels import quant_matvec
 
-            # compile / load the kernels of the matrix types this file uses, logging the time
-            quant_matvec.warm_up({i.ggml_type for i in gguf.tensors.values() if len(i.shape) == 2})
+            # compile / load the kernels of the matrix types this file uses, logging the time (the
+            # thread pool's own functions: Engine.load's warm-up, or the first call that uses it)
+            quant_matvec.warm_up({i.ggml_type for i in gguf.tensors.values() if len(i.shape) == 2}, pool=False)
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# Engine.load compiles every kernel before it returns: tests that compare the compiled paths with
+# the reference must run them (on a first start the reference would answer while they compile)
+os.environ.setdefault("OMLX_KERNEL_WARMUP", "wait")
 
 DATA = Path(__file__).parent / "data"
 REFERENCE_NAMES = {

@@ -351,7 +351,7 @@ def test_pool_jobs_are_exact_and_write_nothing_late():
         y = np.full((x.shape[0], rows), np.nan, np.float32)
         with pool.lock:
             pool.kick()
-            done, _ = qm._pool_matvec(pool.ctl, pool.states, mv.kind, mv.raw, x, pool.x_buffer(x.size), y,
+            done, _ = qm._pool_matvec(pool.ctl, pool.states, mv.compute, mv.raw, x, pool.x_buffer(x.size), y,
                                       16, 0 if i % 2 else 10**7, pool.n_workers + 1)
         by_workers += done
         assert_product_close(y, x, w)
@@ -380,7 +380,7 @@ def test_pool_steals_chunks_of_a_stalled_worker():
             seq = ((int(pool.ctl[qm._WORD]) >> 32) + 1) & 0x7FFFFFFF  # the job about to be published
             for c in stalled:
                 pool.states[c] = (seq << 2) | qm._ST_COMPUTING
-            _, stolen = qm._pool_matvec(pool.ctl, pool.states, mv.kind, mv.raw, x, pool.x_buffer(x.size), y,
+            _, stolen = qm._pool_matvec(pool.ctl, pool.states, mv.compute, mv.raw, x, pool.x_buffer(x.size), y,
                                         16, 1000, pool.n_workers + 1)
         assert stolen == len(stalled)
         assert_product_close(y, x, w)

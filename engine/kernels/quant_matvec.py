@@ -56,8 +56,11 @@ Row layouts (little-endian; d, m, dmin float16; see ggml-common.h / gguf.quants)
     F16 / BF16: 16-value groups of 2-byte values (rows must be a multiple of 16 values).
 
 Compiled code is cached on disk by numba (`cache=True`); `warm_up(types)` loads or compiles the
-kernels a model needs and logs the time (the first start on a machine compiles them, and the pool's
-dispatch compiles every type; later starts load them). The IR the decoders are written in lives in
+kernels a model needs and logs the time (the first start on a machine compiles them; later starts
+load them). Only the types asked for are compiled: the work-sharing pool calls a type's kernel
+through the address of its compute function (a numba `cfunc`), so the pool's code holds no type's
+decoder and compiles once (`warm_up_pool`, which `defer_pool` lets a background thread do while
+matvecs run on the calling thread). The IR the decoders are written in lives in
 `engine.kernels.vector_ir`, whose cache locators make an edit there recompile these kernels too.
 """
 
@@ -72,7 +75,7 @@ import time
 import numpy as np
 from gguf.constants import GGMLQuantizationType as QT
 from llvmlite import ir
-from numba import carray, njit, types
+from numba import carray, cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -81,6 +84,7 @@ from .vector_ir import (
     I8,
     I16,
     I32,
+    I64,
     LANES,
     address_of,
     decode_f16,
@@ -535,41 +539,131 @@ def _dq_iq4_xs(raw, rows, out):
         _deq_iq4_xs(raw[rows[i]], out[i])
 
 
-# kind codes of the work-sharing pool's job descriptor
-_KIND = {t: i for i, t in enumerate([QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K,
-                                     QT.F16, QT.BF16, QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS])}
+# The pool runs a job's rows through a C function pointer: a job descriptor carries the address
+# of its type's compute function, a numba `cfunc` made (compiled, or loaded from numba's cache) by
+# `warm_up` for the types a model uses. The pool's own code is then the same for every type and
+# compiles once, without any type's block decoder in it; dispatching on a type code instead would
+# compile every type's kernels into it (and into each function that calls it), whichever types a
+# model has. Each is `_rows_<type>` over arrays made from the job's addresses (see `_compute`).
+
+_COMPUTE_ARGS = 11  # raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1
+_COMPUTE_SIG = types.void(*([types.int64] * _COMPUTE_ARGS))
 
 
-@njit(nogil=True, cache=True)
-def _rows_any(kind, raw, x, y, r0, r1, yoff):
-    if kind == 0:
-        _rows_q8_0(raw, x, y, r0, r1, yoff)
-    elif kind == 1:
-        _rows_q4_0(raw, x, y, r0, r1, yoff)
-    elif kind == 2:
-        _rows_q4_1(raw, x, y, r0, r1, yoff)
-    elif kind == 3:
-        _rows_q5_0(raw, x, y, r0, r1, yoff)
-    elif kind == 4:
-        _rows_q5_1(raw, x, y, r0, r1, yoff)
-    elif kind == 5:
-        _rows_q4_k(raw, x, y, r0, r1, yoff)
-    elif kind == 6:
-        _rows_q5_k(raw, x, y, r0, r1, yoff)
-    elif kind == 7:
-        _rows_q6_k(raw, x, y, r0, r1, yoff)
-    elif kind == 8:
-        _rows_f16(raw, x, y, r0, r1, yoff)
-    elif kind == 9:
-        _rows_bf16(raw, x, y, r0, r1, yoff)
-    elif kind == 10:
-        _rows_q2_k(raw, x, y, r0, r1, yoff)
-    elif kind == 11:
-        _rows_q3_k(raw, x, y, r0, r1, yoff)
-    elif kind == 12:
-        _rows_iq4_nl(raw, x, y, r0, r1, yoff)
-    elif kind == 13:
-        _rows_iq4_xs(raw, x, y, r0, r1, yoff)
+def _compute_q8_0(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_q8_0(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_q4_0(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_q4_0(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_q4_1(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_q4_1(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_q5_0(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_q5_0(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_q5_1(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_q5_1(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_q4_k(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_q4_k(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_q5_k(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_q5_k(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_q6_k(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_q6_k(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_f16(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_f16(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_bf16(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_bf16(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_q2_k(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_q2_k(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_q3_k(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_q3_k(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_iq4_nl(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_iq4_nl(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _compute_iq4_xs(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _rows_iq4_xs(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+_COMPUTE_PY = {
+    QT.Q8_0: _compute_q8_0,
+    QT.Q4_0: _compute_q4_0,
+    QT.Q4_1: _compute_q4_1,
+    QT.Q5_0: _compute_q5_0,
+    QT.Q5_1: _compute_q5_1,
+    QT.Q4_K: _compute_q4_k,
+    QT.Q5_K: _compute_q5_k,
+    QT.Q6_K: _compute_q6_k,
+    QT.F16: _compute_f16,
+    QT.BF16: _compute_bf16,
+    QT.Q2_K: _compute_q2_k,
+    QT.Q3_K: _compute_q3_k,
+    QT.IQ4_NL: _compute_iq4_nl,
+    QT.IQ4_XS: _compute_iq4_xs,
+}
+_compute_cfuncs: dict = {}  # ggml type -> its compiled cfunc (made by `_compute_address`)
+_compute_lock = threading.Lock()
+
+
+def _compute_address(ggml_type: QT) -> int:
+    """The address of the type's compiled compute function (compiled, or loaded from numba's
+    disk cache, on the first call for the type)."""
+    fn = _compute_cfuncs.get(ggml_type)
+    if fn is None:
+        with _compute_lock:
+            fn = _compute_cfuncs.get(ggml_type)
+            if fn is None:
+                fn = _compute_cfuncs[ggml_type] = cfunc(_COMPUTE_SIG, nogil=True, cache=True)(_COMPUTE_PY[ggml_type])
+    return fn.address
+
+
+@intrinsic
+def _call_compute(typingctx, fn, raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    """Call the compute function at address `fn` (a `_compute_<type>` cfunc: void of 11 int64s)."""
+    sig = types.void(fn, raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.VoidType(), [I64] * _COMPUTE_ARGS)
+        ptr = builder.inttoptr(args[0], fnty.as_pointer())
+        builder.call(ptr, [context.cast(builder, a, t, types.int64) for a, t in zip(args[1:], signature.args[1:])])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -697,12 +791,10 @@ def _yield(typingctx):
 
 
 @njit(nogil=True, cache=True)
-def _compute(kind, raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    """Rows r0..r1 of a job into out (T, out_cols) at columns r - out_off (arrays by address)."""
-    raw = carray(u8_pointer(raw_addr), (n_rows, row_bytes))
-    x = carray(f32_pointer(x_addr), (T, K))
-    out = carray(f32_pointer(out_addr), (T, out_cols))
-    _rows_any(kind, raw, x, out, r0, r1, out_off)
+def _compute(fn, raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    """Rows r0..r1 of a job into out (T, out_cols) at columns r - out_off (arrays by address), by
+    the job type's compute function at address fn."""
+    _call_compute(fn, raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1)
 
 
 @njit(nogil=True, cache=True)
@@ -713,8 +805,9 @@ def _caller_take(states, c, base):
 
 
 @njit(nogil=True, cache=True)
-def _pool_matvec(ctl, states, kind, raw, x, xbuf, y, chunk, grace, parts):
-    """y = x @ W.T as one job (see above), `parts` = 1 + the pool's workers. xbuf: the pool's copy
+def _pool_matvec(ctl, states, fn, raw, x, xbuf, y, chunk, grace, parts):
+    """y = x @ W.T as one job (see above), `parts` = 1 + the pool's workers; fn: the address of
+    W's type's compute function (`_compute_address`). xbuf: the pool's copy
     of x; grace: pause-loops to wait on a worker's chunk before stealing it. Returns (chunks run
     by workers, chunks stolen from them)."""
     n_rows, row_bytes, T, K = raw.shape[0], raw.shape[1], x.shape[0], x.shape[1]
@@ -726,7 +819,7 @@ def _pool_matvec(ctl, states, kind, raw, x, xbuf, y, chunk, grace, parts):
             xbuf[t * K + k] = x[t, k]
     raw_addr, x_addr, y_addr = address_of(raw), address_of(xbuf), address_of(y)
     _astore(ctl, _DSEQ, -1)  # (atomic stores: the compiler keeps them in this order)
-    _astore(ctl, _DESC, kind)
+    _astore(ctl, _DESC, fn)
     _astore(ctl, _DESC + 1, raw_addr)
     _astore(ctl, _DESC + 2, n_rows)
     _astore(ctl, _DESC + 3, row_bytes)
@@ -741,11 +834,11 @@ def _pool_matvec(ctl, states, kind, raw, x, xbuf, y, chunk, grace, parts):
     home = n // parts  # the caller's share: chunks 0..home-1, then others' from the far end
     for c in range(home):
         if _caller_take(states, c, base):
-            _compute(kind, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, n_rows, 0,
+            _compute(fn, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, n_rows, 0,
                      c * chunk, min(n_rows, c * chunk + chunk))
     for c in range(n - 1, home - 1, -1):
         if _caller_take(states, c, base):
-            _compute(kind, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, n_rows, 0,
+            _compute(fn, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, n_rows, 0,
                      c * chunk, min(n_rows, c * chunk + chunk))
     by_workers = 0
     stolen = 0
@@ -763,7 +856,7 @@ def _pool_matvec(ctl, states, kind, raw, x, xbuf, y, chunk, grace, parts):
                 waited += 1
                 continue
             if _acas(states, c, st, base | _ST_CALLER) == st:
-                _compute(kind, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, n_rows, 0,
+                _compute(fn, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, n_rows, 0,
                          c * chunk, min(n_rows, c * chunk + chunk))
                 stolen += 1
                 break
@@ -777,14 +870,14 @@ def _pauses(n):
 
 
 @njit(nogil=True, cache=True)
-def _worker_chunk(states, base, buf, kind, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, chunk, c):
+def _worker_chunk(states, base, buf, fn, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, chunk, c):
     """Claim chunk c for a worker, compute it into buf, and commit it to y unless stolen."""
     st = _aload(states, c)
     if st >= base or _acas(states, c, st, base | _ST_COMPUTING) != st:
         return  # taken
     r0 = c * chunk
     r1 = min(n_rows, r0 + chunk)
-    _compute(kind, raw_addr, n_rows, row_bytes, x_addr, T, K, address_of(buf), chunk, r0, r0, r1)
+    _compute(fn, raw_addr, n_rows, row_bytes, x_addr, T, K, address_of(buf), chunk, r0, r0, r1)
     if _acas(states, c, base | _ST_COMPUTING, base | _ST_COMMITTING) != base | _ST_COMPUTING:
         return  # stolen while computing: drop the result
     y = carray(f32_pointer(y_addr), (T, n_rows))  # the caller waits while the chunk is committing
@@ -799,7 +892,7 @@ def _worker_job(ctl, states, buf, seq, part):
     """Worker `part` (1..) of job seq: its share of the chunks, then the rest, nearest first."""
     if _aload(ctl, _DSEQ) != seq:
         return
-    kind, raw_addr = _aload(ctl, _DESC), _aload(ctl, _DESC + 1)
+    fn, raw_addr = _aload(ctl, _DESC), _aload(ctl, _DESC + 1)
     n_rows, row_bytes = _aload(ctl, _DESC + 2), _aload(ctl, _DESC + 3)
     x_addr, T, K = _aload(ctl, _DESC + 4), _aload(ctl, _DESC + 5), _aload(ctl, _DESC + 6)
     y_addr, chunk, parts = _aload(ctl, _DESC + 7), _aload(ctl, _DESC + 8), _aload(ctl, _DESC + 9)
@@ -809,11 +902,11 @@ def _worker_job(ctl, states, buf, seq, part):
     n = (n_rows + chunk - 1) // chunk
     lo, hi = n * part // parts, n * (part + 1) // parts
     for c in range(lo, hi):
-        _worker_chunk(states, base, buf, kind, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, chunk, c)
+        _worker_chunk(states, base, buf, fn, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, chunk, c)
     for c in range(lo - 1, -1, -1):
-        _worker_chunk(states, base, buf, kind, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, chunk, c)
+        _worker_chunk(states, base, buf, fn, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, chunk, c)
     for c in range(n - 1, hi - 1, -1):
-        _worker_chunk(states, base, buf, kind, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, chunk, c)
+        _worker_chunk(states, base, buf, fn, raw_addr, n_rows, row_bytes, x_addr, T, K, y_addr, chunk, c)
 
 
 @njit(nogil=True, cache=True)
@@ -899,7 +992,7 @@ class _Pool:
             if self.parked:
                 self.kick()
             grace = int(self.grace_per_byte * mv.chunk * mv.raw.shape[1] * x.shape[0])
-            _, stolen = _pool_matvec(self.ctl, self.states, mv.kind, mv.raw, x, self.x_buffer(x.size), out,
+            _, stolen = _pool_matvec(self.ctl, self.states, mv.compute, mv.raw, x, self.x_buffer(x.size), out,
                                      mv.chunk, grace, self.n_workers + 1)
             self.jobs += 1
             if stolen:
@@ -1052,15 +1145,14 @@ class Matvec:
     """y = x @ W.T for one matrix of quantized rows, prepared once (checks, chunking) so that a
     call costs little more than the kernel: W = dequantize(raw), raw (rows, bytes) uint8."""
 
-    __slots__ = ("ggml_type", "raw", "n_rows", "in_features", "kind", "rows_fn", "chunk", "shared")
+    __slots__ = ("ggml_type", "raw", "n_rows", "in_features", "compute", "chunk", "shared")
 
     def __init__(self, ggml_type: QT, raw: np.ndarray, in_features: int):
         _check(ggml_type, raw, in_features)
         self.ggml_type = ggml_type
         self.raw = readonly(raw)
         self.n_rows, self.in_features = raw.shape[0], in_features
-        self.kind = _KIND[ggml_type]
-        self.rows_fn = _KERNELS[ggml_type][0]
+        self.compute = _compute_address(ggml_type)  # the type's kernel, for this thread and the pool's
         # rows per chunk: ~CHUNK_BYTES, a multiple of 16 (a 64-byte line of y per thread), and at
         # most _MAX_CHUNKS chunks
         chunk = max(16, (CHUNK_BYTES // raw.shape[1]) // 16 * 16, -(-self.n_rows // _MAX_CHUNKS))
@@ -1069,12 +1161,20 @@ class Matvec:
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """x: C-contiguous float32 (T, in_features); out: C-contiguous float32 (T, rows)."""
-        if self.shared and x.shape[0] * self.chunk <= _Pool.BUF_VALUES:
+        if self.shared and not _pool_deferred and x.shape[0] * self.chunk <= _Pool.BUF_VALUES:
             pool = _pool if _pool_made else _get_pool()
             if pool is not None and pool.run(self, x, out):
                 return out
-        self.rows_fn(self.raw, x, out, 0, self.n_rows, 0)
+        _matvec_here(self.compute, self.raw, x, out)
         return out
+
+
+@njit(nogil=True, cache=True)
+def _matvec_here(fn, raw, x, y):
+    """y = x @ W.T on the calling thread alone, by the compute function at address fn (one
+    compiled function for every type: a type costs only its cfunc and its dequantizer)."""
+    _call_compute(fn, address_of(raw), raw.shape[0], raw.shape[1], address_of(x), x.shape[0], x.shape[1],
+                  address_of(y), y.shape[1], 0, 0, raw.shape[0])
 
 
 def matvec(ggml_type: QT, raw: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -1104,42 +1204,82 @@ def dequantize_rows(ggml_type: QT, raw: np.ndarray, rows: np.ndarray, out: np.nd
 
 
 _warm: set[QT] = set()
+# True while `defer_pool` holds the pool back (its functions not compiled yet): matvecs then run on
+# the calling thread alone, the same products (each output row is one thread's dot product either way)
+_pool_deferred = False
+_pool_warm = False
 
 
 def _cache_misses(funcs) -> int:
     return sum(sum(f.stats.cache_misses.values()) for f in funcs)
 
 
-def warm_up(ggml_types) -> float:
+def warm_up(ggml_types, pool: bool = True) -> float:
     """Compile, or load from numba's on-disk cache, the kernels of these types (once per process)
-    and run them on a tiny input; logs how long that took. Returns the seconds spent."""
+    and run them on a tiny input; logs how long that took. Returns the seconds spent.
+
+    A type costs its compute function (`_compute_address`) and its row dequantizer. pool=True also
+    makes the work-sharing pool's functions ready (`warm_up_pool`, once per process); pool=False
+    leaves them to the caller (`defer_pool` + `warm_up_pool` in a background thread)."""
     todo = sorted({QT(t) for t in ggml_types if QT(t) in _KERNELS} - _warm, key=lambda t: t.name)
-    if not todo:
+    seconds = 0.0
+    if todo:
+        t0 = time.perf_counter()
+        compiled = []
+        for t in todo:
+            bs, ts = block_shape(t)
+            n_values = 256
+            raw = np.zeros((2, n_values // bs * ts), dtype=np.uint8)
+            funcs = (_KERNELS[t][1], _matvec_here)
+            misses = _cache_misses(funcs)
+            new_cfunc = t not in _compute_cfuncs
+            x = np.zeros((1, n_values), np.float32)
+            matvec(t, raw, x)  # two rows: one chunk, on this thread
+            dequantize_rows(t, raw, np.zeros(1, np.int64), np.empty((1, n_values), np.float32))
+            if _cache_misses(funcs) > misses or (new_cfunc and _compute_cfuncs[t].cache_hits == 0):
+                compiled.append(t.name)
+            _warm.add(t)
+        seconds = time.perf_counter() - t0
+        log.info("quantized-weight kernels for %s ready in %.2f s (%s)", ", ".join(t.name for t in todo), seconds,
+                 f"compiled {', '.join(compiled)}; cached on disk for the next start" if compiled
+                 else "loaded from numba's cache")
+    if pool:
+        seconds += warm_up_pool()
+    return seconds
+
+
+def defer_pool() -> None:
+    """Run matvecs on the calling thread alone until `warm_up_pool` has made the pool's functions
+    ready (which a background thread can then do while the calling thread computes)."""
+    global _pool_deferred
+    if not _pool_warm:
+        _pool_deferred = True
+
+
+def warm_up_pool() -> float:
+    """Compile, or load from numba's cache, the work-sharing pool's functions (they hold no type's
+    code: a job calls its type's compute function by address) and start the pool; once per
+    process. Ends a `defer_pool`. Returns the seconds spent."""
+    global _pool_deferred, _pool_warm
+    if _pool_warm:
         return 0.0
     t0 = time.perf_counter()
-    compiled = []
-    pool_funcs = (_pool_matvec, _worker_loop, _worker_job, _worker_chunk, _compute, _pauses)
-    for t in todo:
-        bs, ts = block_shape(t)
-        n_values = 256
-        raw = np.zeros((2, n_values // bs * ts), dtype=np.uint8)
-        funcs = _KERNELS[t] + pool_funcs
-        misses = _cache_misses(funcs)
-        x = np.zeros((1, n_values), np.float32)
-        matvec(t, raw, x)
-        dequantize_rows(t, raw, np.zeros(1, np.int64), np.empty((1, n_values), np.float32))
-        pool = _get_pool()
-        if pool is not None:  # the pool's job path, as matvec takes it for larger matrices
-            with pool.lock:
-                _pool_matvec(pool.ctl, pool.states, _KIND[t], readonly(raw), x, pool.x_buffer(x.size),
-                             np.empty((1, 2), np.float32), 1, 100, pool.n_workers + 1)
-                if not _worker_loop.signatures:  # compiled here rather than in the worker thread
-                    _worker_loop(pool.ctl, pool.states, np.zeros(16, np.float32), 1, 0, 0, 0)
-        if _cache_misses(funcs) > misses:
-            compiled.append(t.name)
-        _warm.add(t)
+    funcs = (_pool_matvec, _worker_loop, _worker_job, _worker_chunk, _compute, _pauses, _caller_take)
+    misses = _cache_misses(funcs)
+    pool = _get_pool()
+    if pool is not None:  # a job as matvec runs it for larger matrices (the workers may join in)
+        fn = _compute_address(next(iter(_compute_cfuncs), QT.F16))
+        raw = readonly(np.zeros((2, 32), np.uint8))  # two rows of 16 F16 values (zeros)
+        x = np.zeros((1, 16), np.float32)
+        with pool.lock:
+            _pool_matvec(pool.ctl, pool.states, fn, raw, x, pool.x_buffer(x.size), np.empty((1, 2), np.float32),
+                         1, 100, pool.n_workers + 1)
+            if not _worker_loop.signatures:  # compiled here rather than in the worker thread
+                _worker_loop(pool.ctl, pool.states, np.zeros(16, np.float32), 1, 0, 0, 0)
+    _pool_warm = True
+    _pool_deferred = False
     seconds = time.perf_counter() - t0
-    log.info("quantized-weight kernels for %s ready in %.2f s (%s)", ", ".join(t.name for t in todo), seconds,
-             f"compiled {', '.join(compiled)}; cached on disk for the next start" if compiled
-             else "loaded from numba's cache")
+    if pool is not None:
+        log.info("matvec thread pool (%d workers) ready in %.2f s (%s)", pool.n_workers, seconds,
+                 "compiled" if _cache_misses(funcs) > misses else "loaded from numba's cache")
     return seconds
