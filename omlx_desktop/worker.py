@@ -101,6 +101,7 @@ class EngineWorker(QObject):
     conversationOpened = Signal(int)
     error = Signal(object)                      # Failure not tied to one request's result
     settingsApplied = Signal(object)            # KVApplied
+    switchCost = Signal(object)                 # {"spec", "reread", "documents", "source"}: Session.switch_cost
 
     def __init__(self, kv_holder: KVHolder | None = None):
         super().__init__()
@@ -228,6 +229,22 @@ class EngineWorker(QObject):
             self.ctx = request.ctx
         if request.overflow:
             self.overflow = request.overflow
+        self._report_switch_cost()
+
+    def _report_switch_cost(self) -> None:
+        """Tells the KV panel, before the switch, whether the wanted KV format re-reads the
+        pinned documents (or derives them from their master copy, or finds them cached)."""
+        if self.engine is None or self.session is None:
+            return
+        from engine.kv.config import parse_kv
+
+        try:
+            config = parse_kv(self.spec)
+            cost = self.session.switch_cost(config)
+        except Exception:  # a spec for another model's layers, a document that cannot render
+            log.debug("no switch cost for %s", self.spec, exc_info=True)
+            return
+        self.switchCost.emit(dict(cost, spec=str(config)))
 
     def _apply_settings(self) -> None:
         """Brings the engine and the session to the wanted settings. A new KV format reads the
@@ -242,6 +259,7 @@ class EngineWorker(QObject):
                 self.settingsApplied.emit(KVApplied(str(e.kv_config), e.kv_bytes_per_token()))
                 if s is not None and any(d.pinned for d in s.documents):
                     self._prepare_pinned(self.conv)
+                self._report_switch_cost()  # now the current format: the panel's note goes
         if s is not None:
             ctx = min(self.ctx or e.model.context_length, e.model.context_length)
             if s.ctx != ctx:

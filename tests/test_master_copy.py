@@ -192,3 +192,139 @@ def test_a_layout_above_the_master_does_not_derive(tiny):
     other_block_size = make_cache(tiny, "k4v4,bs=16")
     assert not make_cache(tiny, "k4v4,bs=8").can_derive(parse_kv("k4v4,bs=16"))
     assert other_block_size.master_config == parse_kv("k8v8,bs=16")
+
+
+# -- the real model (slow) -------------------------------------------------------------------
+GPL_PATH = None
+
+
+def _gpl():
+    from .conftest import DATA
+
+    return (DATA / "texts" / "gpl-3.txt").read_text()
+
+
+def _doc_text(engine, n_tokens: int) -> str:
+    ids = engine.tokenizer.encode(_gpl(), add_bos=False)[:n_tokens]
+    text = engine.tokenizer.decode(ids)
+    return text[: text.rfind("\n")]
+
+
+@pytest.mark.slow
+def test_derived_k6v4_and_k4v4_are_within_a_quarter_of_direct_kl(smollm2_path):
+    from engine.engine import Engine
+    from engine.kv.requantize import evaluate_derived
+
+    engine = Engine.load(smollm2_path, kv="full")
+    ids = engine.tokenizer.encode(_gpl(), add_bos=True)[:1025]
+    for r in evaluate_derived(engine, ids, ["k6v4", "k4v4"], prefix_tokens=768):
+        assert r["prefix_tokens"] == 768 and r["positions"] == 256
+        assert r["derived_kl"] <= 1.25 * r["direct_kl"], r
+        assert r["derived_top1"] >= r["direct_top1"] - 0.02, r
+
+
+@pytest.mark.slow
+def test_preset_switches_in_a_session_derive_instead_of_rereading(smollm2_path):
+    from engine.engine import Engine
+    from engine.session import Session
+
+    engine = Engine.load(smollm2_path, kv="k6v4")
+    session = Session(engine, ctx=2048)
+    doc = session.add_document(text=_doc_text(engine, 700), name="gpl.txt")
+    assert doc.cached
+    first = session.ask("What is this?", max_tokens=4).result
+    assert first.stats.cached_tokens >= 0.95 * doc.n_tokens
+    full_blocks = (session.prefix_tokens() // 32) * 32
+    for spec, source in (("k8v8", "disk"), ("k4v4,0-3:k8v8,rot", "master"), ("k6v4", "memory")):
+        cost = session.switch_cost(spec)
+        assert cost["reread"] == 0 and cost["documents"] == 0, (spec, cost)
+        engine.set_kv(spec)
+        hit = session.ask("Can I sell copies?", max_tokens=4).result
+        assert hit.stats.cached_tokens >= full_blocks, (spec, hit.stats)
+        assert hit.stats.cache_source in ("disk", "master", "memory")
+    above = session.switch_cost("k8v8,0:f16")
+    assert above["reread"] == full_blocks and above["documents"] == 1 and above["source"] == "prefill"
+
+
+@pytest.mark.slow
+def test_ask_k8v8_then_k4v4_in_a_fresh_process_derives_from_the_master(smollm2_path, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from engine.tokenizer import Tokenizer  # noqa: F401  (the CLI loads it itself)
+
+    (tmp_path / "doc.txt").write_text(_gpl()[:4000])
+
+    def ask(kv):
+        out = subprocess.run(
+            [sys.executable, "-m", "engine.cli", "ask", str(smollm2_path), "--doc", str(tmp_path / "doc.txt"),
+             "--question", "What is this?", "--max-tokens", "4", "--json", "--kv", kv],
+            capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout), out.stderr
+
+    first, _ = ask("k8v8")
+    assert first["answers"][0]["stats"]["cached_tokens"] == 0
+    second, log = ask("k4v4")
+    stats = second["answers"][0]["stats"]
+    n_tokens = second["documents"][0]["tokens"]
+    assert stats["cache_source"] == "master" and stats["cached_tokens"] >= n_tokens - 32
+    assert "from the 8-bit master copy" in log
+
+
+@pytest.mark.slow
+def test_in_the_app_high_precision_off_and_on_again_costs_no_reread(qapp, smollm2_path, tmp_path):
+    import os
+
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from omlx_desktop.window import MainWindow
+
+    from .qt_wait import wait_until
+    from .test_desktop_chat import ask, drop
+
+    doc = tmp_path / "gpl-part.txt"
+    doc.write_text(_gpl()[:3000])
+    window = MainWindow(data_dir=tmp_path / "data", model=str(smollm2_path))
+    try:
+        window.show()
+        wait_until(lambda: window.model_info is not None or window.errors, what="the model")
+        assert window.model_info is not None, window.errors
+        panel = window.kv_panel
+        panel.select_preset("balanced")
+        window.new_conversation()
+        drop(window, doc)
+        key = window.documents.keys()[-1]
+        wait_until(lambda: key in window.docs.doc_ids or window.errors[-1:], what="the document")
+        row = window.documents.rows[key]
+        wait_until(lambda: row.badge.isVisibleTo(row), what="the cached badge")
+        n_tokens = window.store.documents(window.conv_id)[0].n_tokens
+        assert ask(window, "What is this?", 4)["stats"]["kv_spec"] == "k6v4"
+
+        reads = []
+        original = window.documents.set_progress
+
+        def record(k, done, total):
+            original(k, done, total)
+            if total > 1 and done < total:  # a prefill in progress (not the start/end marks)
+                reads.append((k, done, total))
+
+        window.documents.set_progress = record
+        try:
+            for expected in ("k8v8", "k6v4", "k8v8"):
+                panel.high_precision.click()
+                assert panel.spec() == expected
+                wait_until(lambda: panel.switch_note() or panel.spec() == str(window.model_info.get("kv_spec")),
+                           what="the switch note")
+                assert "re-reads" not in panel.switch_note()
+                answer = ask(window, "Who may copy it?", 4)
+                stats = answer["stats"]
+                assert stats["kv_spec"] == expected
+                assert stats["cached_tokens"] >= n_tokens - 32, stats
+        finally:
+            window.documents.set_progress = original
+        assert reads == []  # no pinned document was read again
+        panel.select_preset("full")  # above the 8-bit master: the note says so before the switch
+        wait_until(lambda: "re-reads 1 document" in panel.switch_note(), what="the re-read note")
+    finally:
+        window.close()

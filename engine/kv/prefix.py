@@ -275,7 +275,7 @@ class PrefixCache:
         master's memory, else its saved file. Returns the number of blocks now usable from the
         chain's start (0: the master has nothing beyond `start`)."""
         master = self.master
-        mkeys = self.master_keys(token_ids, len(keys))
+        mkeys = chain_keys_from(master.root, self.B, token_ids, len(keys))
         m = master.usable_blocks(mkeys)
         if m > start:
             entries = [master.entries[k] for k in mkeys[:m]]

@@ -84,3 +84,83 @@ def requantize_rows(src: LayerBlockPool, k_rows: np.ndarray, v_rows: np.ndarray,
         v = src.v_format.dequantize(np.ascontiguousarray(v_rows), Hkv, B, Dv)
         v_out = dst.v_format.quantize(v)
     return k_out, v_out
+
+
+def evaluate_derived(engine, tokens, specs, prefix_tokens: int, master_bits: int = MASTER_BITS,
+                     progress=None) -> list[dict]:
+    """KL vs 16-bit KV of each spec's cache with its first `prefix_tokens` (whole blocks)
+    derived from a master copy at `master_bits`, beside the same spec computed directly.
+
+    The text's first `prefix_tokens` play the pinned document: the direct run computes them in
+    the spec's layout, the derived run computes them in the master layout and re-quantizes the
+    blocks into the spec's layout (PrefixCache.attach, as the app does). Both then run the rest
+    of the text in the spec's layout; KL, top-1 agreement and perplexity are taken over those
+    later positions only (the ones that read the prefix through the cache).
+
+    Returns per spec {"spec", "direct_kl", "derived_kl", "direct_top1", "derived_top1",
+    "direct_ppl", "derived_ppl", "positions", "prefix_tokens", "master_bytes" (the master's block
+    rows for the prefix)}.
+    """
+    from ..engine import log_softmax
+    from ..evaluate import BASELINE_SPEC, hidden_states
+    from .config import parse_kv
+    from .prefix import PrefixCache
+
+    model = engine.model
+    tokens = np.asarray(tokens, dtype=np.int64)
+    inputs, targets = tokens[:-1], tokens[1:]
+    n = len(inputs)
+    h_ref, _ = hidden_states(model, inputs, BASELINE_SPEC)
+
+    def run(cache, ids, chunk=512):
+        parts = []
+        for s in range(0, len(ids), chunk):
+            cache.begin_forward(ids[s : s + chunk])  # token ids and publishing, as forward() does
+            parts.append(model.hidden(ids[s : s + chunk], cache))
+            cache.end_forward()
+        return np.concatenate(parts)
+
+    def scores(h, start):
+        kl, agree, nll = [], [], []
+        for r0 in range(start, n, 64):
+            r1 = min(n, r0 + 64)
+            lp_ref = log_softmax(model.output(h_ref[r0:r1]))
+            lp = log_softmax(model.output(h[r0 - start : r1 - start]))
+            kl.append(np.sum(np.exp(lp_ref) * (lp_ref - lp), axis=-1))
+            agree.append(lp_ref.argmax(-1) == lp.argmax(-1))
+            nll.append(-lp[np.arange(r1 - r0), targets[r0:r1]])
+        kl, agree, nll = np.concatenate(kl), np.concatenate(agree), np.concatenate(nll)
+        return float(kl.mean()), float(agree.mean()), float(np.exp(nll.mean()))
+
+    results = []
+    for i, spec in enumerate(specs):
+        config = parse_kv(spec) if isinstance(spec, str) else spec
+        if progress:
+            progress(str(spec), i / len(specs))
+        P = (min(prefix_tokens, n - 1) // config.block_size) * config.block_size
+        if P == 0:
+            raise ValueError(f"the prefix ({prefix_tokens} tokens) holds no whole {config.block_size}-token block")
+        h_direct, _ = hidden_states(model, inputs, config)
+        direct = scores(h_direct[P:], P)
+        mconfig = master_config(config, master_bits)
+        master = PrefixCache(model, mconfig, model_id="eval-derived", capacity_tokens=n + config.block_size)
+        mseq = master.new_sequence()
+        run(mseq, inputs[:P])
+        master_bytes = master.nbytes
+        target = PrefixCache(model, config, model_id="eval-derived", capacity_tokens=2 * n + config.block_size)
+        target.master = master
+        seq = target.new_sequence()
+        reuse = target.attach(seq, inputs[: P + 1])
+        if reuse.derived_tokens != P:
+            raise ValueError(f"{spec}: derived {reuse.derived_tokens} of the {P} prefix tokens "
+                             f"(a layer above {master_bits} bits cannot be derived)")
+        derived = scores(run(seq, inputs[P:]), P)
+        mseq.release()
+        results.append({"spec": str(config), "master_bits": master_bits, "prefix_tokens": P,
+                        "positions": n - P, "master_bytes": int(master_bytes),
+                        "direct_kl": direct[0], "derived_kl": derived[0],
+                        "direct_top1": direct[1], "derived_top1": derived[1],
+                        "direct_ppl": direct[2], "derived_ppl": derived[2]})
+    if progress:
+        progress("done", 1.0)
+    return results
