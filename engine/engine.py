@@ -289,8 +289,8 @@ class Engine:
     def kv_usage(self) -> tuple[int, int]:
         """(bytes in use, bytes allocated) of the current prefix cache's pools, (0, 0) before
         there is one. Never creates one: safe to poll from a monitoring thread."""
-        cache = self._prefix
-        return (cache.nbytes, cache.capacity_bytes) if cache is not None else (0, 0)
+        caches = [c for c in (self._prefix, self._master) if c is not None]  # the master: kv.requantize
+        return sum(c.nbytes for c in caches), sum(c.capacity_bytes for c in caches)
 
     def kv_scheme(self) -> list[tuple[str, str, str]]:
         """Per-layer K/V formats, run-length grouped: [(layers, K format, V format)]."""

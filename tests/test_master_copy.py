@@ -195,9 +195,6 @@ def test_a_layout_above_the_master_does_not_derive(tiny):
 
 
 # -- the real model (slow) -------------------------------------------------------------------
-GPL_PATH = None
-
-
 def _gpl():
     from .conftest import DATA
 
@@ -251,8 +248,6 @@ def test_ask_k8v8_then_k4v4_in_a_fresh_process_derives_from_the_master(smollm2_p
     import json
     import subprocess
     import sys
-
-    from engine.tokenizer import Tokenizer  # noqa: F401  (the CLI loads it itself)
 
     (tmp_path / "doc.txt").write_text(_gpl()[:4000])
 
