@@ -19,12 +19,15 @@ layout produces; only its values differ (they were computed under 8-bit attentio
 twice).
 
 Why 8 bits and not 16: the high-precision preset (K8V8) must be derivable (ticking it off and on
-again costs no re-read), so the master must hold at least 8 bits; a 16-bit master would
-double the bytes kept (2 bytes per value against 8.5 bits with the q8 scales) and only add the
-"full" preset (and 16-bit layer overrides), for a derived K6V4/K4V4 whose KL is no better than
-the 8-bit master's (the double rounding is far below the target format's own step: the q8 step is
-1/127 of a 32-value group's range, the q4 step 1/15 of a channel's). Only a switch to a layout
-with a layer above 8 bits re-reads.
+again costs no re-read), so the master holds at least 8 bits, and 8 bits is exactly that preset's
+layout: its own cache is the master, a prefix pinned under it needs no second copy, and its saved
+file is the master file. A 16-bit master would take twice the bytes (2 bytes per value against
+8.5 bits with the q8 scales) to add only the "full" preset and 16-bit layer overrides, while the
+second rounding an 8-bit master adds (half a q8 step: 1/254 of a 32-value group's largest magnitude) is small
+beside the half step of the formats derived from it. The master lives on disk (saved with the
+pinned prefix); in memory only while a prefix is being computed into it, or when there is no
+disk store (see PrefixCache.derive_from_master). Only a switch to a layout with a layer above 8
+bits re-reads.
 """
 
 from __future__ import annotations
