@@ -340,7 +340,9 @@ def test_in_the_app_high_precision_off_and_on_again_costs_no_reread(qapp, smollm
         finally:
             window.documents.set_progress = original
         assert reads == []  # no pinned document was read again
+        panel.high_precision.click()  # off again (presets are not chosen while it is on)
         panel.select_preset("full")  # above the 8-bit master: the note says so before the switch
+        assert panel.spec() == "k16v16"
         wait_until(lambda: "re-reads 1 document" in panel.switch_note(), APP_TIMEOUT, what="the re-read note")
     finally:
         window.close()
