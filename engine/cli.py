@@ -453,6 +453,27 @@ def cmd_kv_sim(args) -> int:
     return 0
 
 
+def _eval_derived(engine, ids, specs, args, report) -> int:
+    """eval-kv --derived: each spec with its first --prefix-tokens derived from a master copy."""
+    from .kv.requantize import evaluate_derived
+
+    prefix = args.prefix_tokens if args.prefix_tokens is not None else (3 * args.n_tokens) // 4
+    results = evaluate_derived(engine, ids, specs, prefix, master_bits=args.master_bits, progress=report)
+    _end_progress()
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    r0 = results[0]
+    print(f"{engine.name}: first {r0['prefix_tokens']:,} tokens derived from a {args.master_bits}-bit master "
+          f"copy ({_fmt_bytes(r0['master_bytes'])}); KL vs 16-bit KV over the next {r0['positions']:,} positions")
+    print(f"{'spec':28s} {'direct KL':>10s} {'derived KL':>11s} {'ratio':>6s} {'top-1 dir/der':>14s}")
+    for r in results:
+        ratio = r["derived_kl"] / r["direct_kl"] if r["direct_kl"] else float("nan")
+        print(f"{r['spec']:28s} {r['direct_kl']:10.5f} {r['derived_kl']:11.5f} {ratio:6.2f} "
+              f"{r['direct_top1']:6.1%}/{r['derived_top1']:6.1%}")
+    return 0
+
+
 def cmd_eval_kv(args) -> int:
     from .engine import Engine, EngineError
     from .evaluate import evaluate_kv, per_layer_specs
@@ -469,6 +490,8 @@ def cmd_eval_kv(args) -> int:
     if not specs:
         specs = [PRESETS[name] for name in ("high-precision", "balanced", "memory-saver")]
     report = _progress_printer()
+    if args.derived:
+        return _eval_derived(engine, ids[: args.n_tokens + 1], specs, args, report)
     results = evaluate_kv(engine, ids[: args.n_tokens + 1], specs, progress=report)
     _end_progress()
     if args.json:
@@ -764,6 +787,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-tokens", type=int, default=2048)
     _add_kv(p, None, several=True, help_text="spec to measure (repeatable)")
     p.add_argument("--per-layer", action="store_true", help="each layer alone at 4 bits, the rest at 16")
+    p.add_argument("--derived", action="store_true",
+                   help="compare each spec computed directly with the spec derived from a master copy "
+                        "of the first --prefix-tokens (a pinned document switched to this preset)")
+    p.add_argument("--master-bits", type=int, choices=(8, 16), default=8, help="the master copy's bits (default 8)")
+    p.add_argument("--prefix-tokens", type=int, help="tokens derived from the master (default 3/4 of --n-tokens)")
     p.add_argument("--json", action="store_true")
     _add_force(p)
     p.set_defaults(func=cmd_eval_kv)

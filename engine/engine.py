@@ -128,8 +128,10 @@ class Engine:
         self.kv_config = parse_kv(kv)
         self.kv_config.per_layer(model.n_layers)  # an override past the last layer fails here
         self.disk_cache = True  # save pinned prefixes under the user's cache folder
+        self.master_copies = True  # pinned prefixes computed once in the 8-bit master layout (kv.requantize)
         self.prefix_capacity_tokens = 2 * model.context_length
         self._prefix = None
+        self._master = None  # the master layout's PrefixCache (kv.requantize), when not _prefix
         self._prefix_lock = threading.Lock()
         self._model_id: str | None = None
 
@@ -192,13 +194,105 @@ class Engine:
                 disk = PrefixDiskStore() if self.disk_cache else None
                 self._prefix = PrefixCache(self.model, self.kv_config, model_id=self.model_id,
                                            capacity_tokens=self.prefix_capacity_tokens, disk=disk)
+                self._prefix.master = self._master_for(self._prefix)
             return self._prefix
+
+    def _master_for(self, cache):
+        """The master layout's PrefixCache for `cache` (kept while the master layout stays the
+        same, so its memory survives a switch between derived presets); None when `cache` is
+        the master layout itself or cannot be derived from it."""
+        from .kv.prefix import PrefixCache
+
+        if not self.master_copies or cache.is_master or not cache.can_derive():
+            if cache.is_master:
+                self._master = None
+            return None
+        if self._master is None or self._master.config != cache.master_config \
+                or (self._master.disk is None) != (cache.disk is None):
+            self._master = PrefixCache(self.model, cache.master_config, model_id=self.model_id,
+                                       capacity_tokens=self.prefix_capacity_tokens, disk=cache.disk)
+        return self._master
+
+    def prefill_master(self, ids: Sequence[int], progress: Callable[[int, int], None] | None = None,
+                       cancel: threading.Event | None = None) -> int:
+        """Compute the full blocks of the pinned prefix `ids` in the master layout (8-bit K and V,
+        see kv.requantize) and save them, so the current layout and every other derivable one
+        take them without prefilling again. Returns the prefix tokens the master now holds in
+        memory (0 when the current layout has no master to derive from)."""
+        cache = self.prefix_cache()
+        master = cache.master
+        if master is None or not cache.derives_from_master:
+            return 0
+        n_blocks = len(ids) // master.B
+        if n_blocks == 0:
+            return 0
+        seq = master.new_sequence()
+        try:
+            reuse = master.attach(seq, ids[: n_blocks * master.B])
+            todo = ids[reuse.tokens : n_blocks * master.B]
+            if todo:
+                log.info("prefilling %d prefix tokens into the 8-bit master copy", len(todo))
+                if self.prefill(todo, seq, progress, cancel) is None:
+                    return 0
+            keys = master.chain_keys(ids, n_blocks)
+            n = master.usable_blocks(keys)
+            master.save(keys[:n])
+            return n * master.B
+        finally:
+            seq.release()
+
+    def switch_cost(self, kv: str | KVConfig, prefix_ids: Sequence[int]) -> dict:
+        """What switching to `kv` costs the pinned prefix `prefix_ids` (its full blocks):
+        {"reread": tokens to prefill again (0: none), "source": where the new layout's blocks
+        would come from: "current" (same layout), "memory", "disk" (saved under that layout),
+        "master" (derived from the master copy), "none" (no prefix), or "prefill"}. Reads no
+        block and changes nothing (safe to call before a switch)."""
+        from .kv.prefix import chain_keys_from, chain_root, layout_signature
+        from .kv.requantize import derivable, master_config
+
+        config = parse_kv(kv)
+        config.per_layer(self.model.n_layers)
+        B = config.block_size
+        n_blocks = len(prefix_ids) // B
+        if n_blocks == 0:
+            return {"reread": 0, "source": "none"}
+        if config == self.kv_config:
+            return {"reread": 0, "source": "current"}
+        n_layers = self.model.n_layers
+
+        def found(cfg) -> tuple[int, str]:
+            """Leading blocks of the prefix held under layout `cfg` in memory or on disk."""
+            sig = layout_signature(cfg, n_layers)
+            keys = chain_keys_from(chain_root(self.model_id, sig), B, prefix_ids, n_blocks)
+            best, where = 0, "none"
+            for cache in (self._prefix, self._master):
+                if cache is not None and cache.signature == sig:
+                    n = cache.usable_blocks(keys)
+                    if n > best:
+                        best, where = n, "memory"
+            if self.disk_cache:
+                from .kv.prefix import PrefixDiskStore
+
+                n = PrefixDiskStore().saved_blocks(keys)
+                if n > best:
+                    best, where = n, "disk"
+            return best, where
+
+        own, where = found(config)
+        if own == n_blocks:
+            return {"reread": 0, "source": where}
+        if derivable(config, n_layers):
+            master, _ = found(master_config(config))
+            if master == n_blocks:
+                return {"reread": 0, "source": "master"}
+            own = max(own, master)
+        return {"reread": (n_blocks - own) * B, "source": "prefill"}
 
     def kv_usage(self) -> tuple[int, int]:
         """(bytes in use, bytes allocated) of the current prefix cache's pools, (0, 0) before
         there is one. Never creates one: safe to poll from a monitoring thread."""
-        cache = self._prefix
-        return (cache.nbytes, cache.capacity_bytes) if cache is not None else (0, 0)
+        caches = [c for c in (self._prefix, self._master) if c is not None]  # the master: kv.requantize
+        return sum(c.nbytes for c in caches), sum(c.capacity_bytes for c in caches)
 
     def kv_scheme(self) -> list[tuple[str, str, str]]:
         """Per-layer K/V formats, run-length grouped: [(layers, K format, V format)]."""

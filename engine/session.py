@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +131,7 @@ class Session:
         self._pinned_keys: list[bytes] = []
         self._saved_key: bytes | None = None
         self._prefix_memo: tuple[str, str, list[int]] | None = None  # (system content, text, ids)
+        self._master_prefilled = 0  # tokens the last _sequence_for prefilled into the master copy
 
     # -- settings -------------------------------------------------------------------------
     def set_overflow(self, policy: str) -> None:
@@ -300,16 +302,16 @@ class Session:
         ids, n_prefix = self.render([], add_generation_prompt=False)
         if not n_prefix:
             return 0
-        seq, reused, source = self._sequence_for(ids[:n_prefix], n_prefix)
+        seq, reused, source = self._sequence_for(ids[:n_prefix], n_prefix, progress, cancel)
         if reused:
             log.info("cache hit: %d of %d prompt tokens reused (from %s)", reused, n_prefix, source)
         if reused < n_prefix:
             if self.engine.prefill(ids[reused:n_prefix], seq, progress, cancel) is None:
-                return reused
+                return reused - self._master_prefilled
         elif progress:
             progress(n_prefix, n_prefix)
         self._pin(ids, n_prefix)
-        return reused
+        return reused - self._master_prefilled
 
     # -- pinning --------------------------------------------------------------------------
     def _pin(self, ids: Sequence[int], n_prefix: int) -> int:
@@ -328,6 +330,15 @@ class Session:
             doc.cached = doc.pinned and bool(keys)
         return n_prefix if keys else 0
 
+    def switch_cost(self, kv) -> dict:
+        """What switching the engine to the KV layout `kv` would cost the pinned documents, asked
+        before the switch: Engine.switch_cost's {"reread", "source"} for the pinned prefix, plus
+        "documents", the pinned documents a re-read prefills again (0 when none is needed)."""
+        ids, n_prefix = self.render([], add_generation_prompt=False)
+        cost = self.engine.switch_cost(kv, ids[:n_prefix] if n_prefix else [])
+        cost["documents"] = sum(1 for d in self.documents if d.pinned) if cost["reread"] else 0
+        return cost
+
     def _repin(self) -> None:
         """After the document set changed: unpin what is no longer the prefix."""
         if self._cache is None:
@@ -339,9 +350,17 @@ class Session:
         self._pinned_keys = [k for k in self._pinned_keys if k in keep]
 
     # -- turns ----------------------------------------------------------------------------
-    def _sequence_for(self, ids: Sequence[int], n_prefix: int) -> tuple[PagedKVCache, int, str]:
+    def _sequence_for(self, ids: Sequence[int], n_prefix: int,
+                      progress: Callable[[int, int], None] | None = None,
+                      cancel: threading.Event | None = None) -> tuple[PagedKVCache, int, str]:
         """A sequence holding the longest reusable prefix of `ids` (leaving at least one token
-        to prefill): the live one, trimmed or extended, or a new one from the prefix cache."""
+        to prefill): the live one, trimmed or extended, or a new one from the prefix cache.
+
+        A pinned prefix the cache cannot supply is computed in the master layout first (when
+        the current layout derives from it: kv.requantize) and derived, so a later switch to
+        another derivable layout does not prefill it again; `_master_prefilled` says how many
+        tokens that took (progress and cancel apply to it)."""
+        self._master_prefilled = 0
         cache = self._prefix_cache()
         live = self._live
         if live is not None:
@@ -364,6 +383,14 @@ class Session:
             self._release_live()
         seq = cache.new_sequence(limit=self.ctx, overflow=self.overflow, protected_tokens=n_prefix)
         reuse = cache.attach(seq, ids)
+        prefix_blocks = min(n_prefix, len(ids) - 1) // cache.B
+        if reuse.tokens < prefix_blocks * cache.B and cache.derives_from_master:
+            before = reuse.tokens
+            if self.engine.prefill_master(ids[:n_prefix], progress, cancel):
+                seq.release()
+                seq = cache.new_sequence(limit=self.ctx, overflow=self.overflow, protected_tokens=n_prefix)
+                reuse = cache.attach(seq, ids)
+                self._master_prefilled = max(0, reuse.tokens - before)
         self._live = seq
         return seq, reuse.tokens, reuse.source
 
@@ -374,7 +401,10 @@ class Session:
         ids, n_prefix = self.render(conversation)
         if n_prefix + ANSWER_RESERVE > self.ctx and n_prefix:
             raise DocumentError(f"the pinned documents take {n_prefix:,} of the {self.ctx:,} context tokens")
-        seq, reused, source = self._sequence_for(ids, n_prefix)
+        t_request = time.perf_counter()
+        seq, reused, source = self._sequence_for(ids, n_prefix, prefill_progress, cancel)
+        setup_s = time.perf_counter() - t_request  # cache lookup, disk load / derivation, master prefill
+        master_prefilled = self._master_prefilled
         if reused:
             log.info("cache hit: %d of %d prompt tokens reused (from %s)", reused, len(ids), source)
         else:
@@ -389,8 +419,10 @@ class Session:
             result = gen.result
             st = result.stats
             st.prompt_tokens = len(ids)
-            st.cached_tokens = reused
-            st.cache_source = source
+            st.cached_tokens = reused - master_prefilled
+            st.cache_source = source if st.cached_tokens else "none"
+            if st.ttft_s:
+                st.ttft_s += setup_s  # from the question, not from the start of the prefill
             if n_prefix and result.finish_reason != "cancelled":
                 st.pinned_tokens = self._pin(ids, n_prefix)
             if record:

@@ -290,6 +290,9 @@ class KVPanel(QWidget):
 
         note = QLabel("Changes apply from the next message.")
         note.setStyleSheet("color: palette(mid);")
+        self.switch_label = QLabel()  # what the pending format costs the pinned documents
+        self.switch_label.setWordWrap(True)
+        self.switch_label.setVisible(False)
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 6, 6, 6)
@@ -298,6 +301,7 @@ class KVPanel(QWidget):
         layout.addLayout(sliders)
         layout.addWidget(self.auto)
         layout.addWidget(self.high_precision)
+        layout.addWidget(self.switch_label)
         layout.addWidget(self.estimate_label)
         layout.addWidget(self.spec_label)
         layout.addWidget(self.import_label)
@@ -719,6 +723,28 @@ class KVPanel(QWidget):
             self._show_import("")
         self._refresh()
         self.settingsChanged.emit(self.settings())
+
+    def show_switch_cost(self, cost: dict) -> None:
+        """The note under the preset controls for the engine's Session.switch_cost of the spec
+        the panel now asks for ({"spec", "reread", "documents", "source"}); a cost for another
+        spec than the panel's (an older request) or for the format in use hides it."""
+        spec = cost.get("spec")
+        text = ""
+        if spec == str(self.config()):
+            name = spec.upper()
+            if cost.get("reread"):
+                n = cost.get("documents", 0)
+                text = (f"Switching to {name} re-reads {n} document{'s' if n != 1 else ''} "
+                        f"({cost['reread']:,} tokens).")
+            elif cost.get("source") == "master":
+                text = f"Switching to {name}: pinned documents are derived from their 8-bit master copy, no re-read."
+            elif cost.get("source") in ("memory", "disk"):
+                text = f"Switching to {name}: pinned documents are already cached in it, no re-read."
+        self.switch_label.setText(text)
+        self.switch_label.setVisible(bool(text))
+
+    def switch_note(self) -> str:
+        return self.switch_label.text() if self.switch_label.isVisibleTo(self) else ""
 
     def _refresh(self) -> None:
         self._updating = True

@@ -172,6 +172,7 @@ class MainWindow(QMainWindow):
         w.loadFailed.connect(models.on_load_failed)
         w.loadNeedsConfirmation.connect(models.on_needs_confirmation)
         w.settingsApplied.connect(models.on_settings_applied)
+        w.switchCost.connect(self.kv_panel.show_switch_cost)
         w.tokens.connect(chat.on_tokens)
         w.prefillProgress.connect(chat.on_prefill_progress)
         w.turnFinished.connect(chat.on_finished)

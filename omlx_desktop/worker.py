@@ -113,6 +113,7 @@ class EngineWorker(QObject):
     conversationOpened = Signal(int)
     error = Signal(object)                      # Failure not tied to one request's result
     settingsApplied = Signal(object)            # KVApplied
+    switchCost = Signal(object)                 # {"spec", "reread", "documents", "source"}: Session.switch_cost
     # the KV panel's Auto preset
     kvProfileProgress = Signal(str, float)      # stage, fraction done
     kvProfileReady = Signal(object)             # KVProfileReady
@@ -291,6 +292,22 @@ class EngineWorker(QObject):
             self.ctx = request.ctx
         if request.overflow:
             self.overflow = request.overflow
+        self._report_switch_cost()
+
+    def _report_switch_cost(self) -> None:
+        """Tells the KV panel, before the switch, whether the wanted KV format re-reads the
+        pinned documents (or derives them from their master copy, or finds them cached)."""
+        if self.engine is None or self.session is None:
+            return
+        from engine.kv.config import parse_kv
+
+        try:
+            config = parse_kv(self.spec)
+            cost = self.session.switch_cost(config)
+        except Exception:  # a spec for another model's layers, a document that cannot render
+            log.debug("no switch cost for %s", self.spec, exc_info=True)
+            return
+        self.switchCost.emit(dict(cost, spec=str(config)))
 
     def _apply_settings(self) -> None:
         """Brings the engine and the session to the wanted settings. A new KV format reads the
@@ -307,6 +324,7 @@ class EngineWorker(QObject):
                 self.settingsApplied.emit(KVApplied(str(e.kv_config), e.kv_bytes_per_token()))
                 if s is not None and any(d.pinned for d in s.documents):
                     self._prepare_pinned(self.conv)
+                self._report_switch_cost()  # now the current format: the panel's note goes
         if s is not None:
             ctx = min(self.ctx or e.model.context_length, e.model.context_length)
             if s.ctx != ctx:

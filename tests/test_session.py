@@ -54,6 +54,9 @@ def test_cache_hit_answers_are_the_same_tokens_with_16_bit_kv(smol):
 
 def test_cache_hit_with_quantized_kv_is_as_close_as_eval_kv_says(smollm2_path):
     engine = fresh_engine(smollm2_path, "k4v4")
+    # blocks computed in this layout (a master copy's derived blocks are compared with direct
+    # ones by tests/test_master_copy.py)
+    engine.master_copies = False
     session = Session(engine, ctx=2048)
     session.add_document(text=doc_text(engine, 400), name="gpl.txt")
     ids, _ = session.render([{"role": "user", "content": "Who may copy the program, and under which terms?"}])

@@ -17,6 +17,13 @@ evicted before its head. Lookup walks the chain and stops at the first miss.
 
 Sliding-window layers release blocks no query can see again, so an entry may hold None for such
 a layer; a lookup of n blocks only needs each window layer's blocks inside its window.
+
+Master copies (see `requantize`): a cache whose layout is derivable from the 8-bit master layout
+has `master`, the PrefixCache of that layout (None when the layout is the master's own or has a
+layer above 8 bits). A lookup that misses in memory and on disk under its own layout derives
+the blocks from the master's chain (same token ids, the master layout's keys): from the
+master's memory, else from its saved file, re-quantized into this cache's pools as ordinary
+entries (source "master"), so `adopt_prefix` takes them like directly computed ones.
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ import numpy as np
 
 from ..errors import KVPoolFull
 from .config import KVConfig
-from .formats import get_format
+from .formats import get_format, hadamard
 from .paged import PagedKVCache
 from .paged_attention import choose_attention
 from .pool import build_pools
+from .requantize import derivable, master_config, requantize_rows
 
 log = logging.getLogger("omlx.kv.prefix")
 
@@ -85,6 +93,21 @@ def model_fingerprint(gguf) -> str:
     return digest
 
 
+def chain_root(model_id: str, signature: str) -> bytes:
+    """key_{-1} of every chain of a (model, layout)."""
+    return hashlib.sha256(f"omlx-kv-prefix|{FORMAT_VERSION}|{model_id}|{signature}".encode()).digest()
+
+
+def chain_keys_from(root: bytes, block_size: int, token_ids, n_blocks: int) -> list[bytes]:
+    """Keys of the first n_blocks full blocks of `token_ids` under `root`."""
+    ids = np.asarray(token_ids, dtype=np.int32)
+    keys, key = [], root
+    for i in range(n_blocks):
+        key = hashlib.sha256(key + ids[i * block_size : (i + 1) * block_size].tobytes()).digest()
+        keys.append(key)
+    return keys
+
+
 def layout_signature(config: KVConfig, n_layers: int) -> str:
     """Everything about the KV layout that changes the bytes of a stored block."""
     formats = [(get_format(p.k_bits, "k").name, get_format(p.v_bits, "v").name)
@@ -100,21 +123,25 @@ class Entry:
     blocks: list[int | None]  # per layer pool block id (None: a window layer released it)
     sinks: list[tuple[np.ndarray, np.ndarray]] | None = None  # block 0 only: per layer sink K, V
     pins: int = 0
-    source: str = "memory"  # where it came from: "memory" (prefilled here) or "disk"
+    source: str = "memory"  # where it came from: "memory" (prefilled here), "disk" or "master"
 
 
 @dataclass
 class Reuse:
-    """What a lookup found: `tokens` reused, `disk_tokens` of them read from disk."""
+    """What a lookup found: `tokens` reused, `disk_tokens` of them read from disk under this
+    layout, `derived_tokens` of them derived from the master copy."""
 
     tokens: int = 0
     disk_tokens: int = 0
     keys: list[bytes] = field(default_factory=list)
+    derived_tokens: int = 0
 
     @property
     def source(self) -> str:
         if not self.tokens:
             return "none"
+        if self.derived_tokens:
+            return "master"
         return "disk" if self.disk_tokens else "memory"
 
 
@@ -138,9 +165,12 @@ class PrefixCache:
         self.B = config.block_size
         self.n_layers = model.n_layers
         self.signature = layout_signature(config, model.n_layers)
-        self.root = hashlib.sha256(
-            f"omlx-kv-prefix|{FORMAT_VERSION}|{model_id}|{self.signature}".encode()
-        ).digest()
+        self.root = chain_root(model_id, self.signature)
+        self.master_config = master_config(config)
+        self.master_signature = layout_signature(self.master_config, model.n_layers)
+        self.master_root = chain_root(model_id, self.master_signature)
+        # the master layout's cache this one derives from (set by the engine; see the module doc)
+        self.master: PrefixCache | None = None
         self.pools = build_pools(config, model.n_layers, model.n_kv_heads, model.head_dim, model.value_dim,
                                  max_tokens=capacity_tokens)
         self.attentions = [choose_attention(pool, use_kernels) for pool in self.pools]  # shared by sequences
@@ -197,12 +227,17 @@ class PrefixCache:
         max_blocks = (len(token_ids) - 1) // self.B
         keys = self.chain_keys(token_ids, max_blocks)
         n = self.usable_blocks(keys)
-        disk_tokens = 0
+        disk_tokens = derived_tokens = 0
         if self.disk is not None and n < len(keys):
             loaded = self.disk.load_longest(self, keys, token_ids, start=n)
             if loaded:
                 n_after = self.usable_blocks(keys)
                 disk_tokens = (n_after - n) * self.B
+                n = n_after
+        if n < len(keys) and self.derives_from_master:
+            if self.derive_from_master(token_ids, keys, start=n):
+                n_after = self.usable_blocks(keys)
+                derived_tokens = (n_after - n) * self.B
                 n = n_after
         if n == 0:
             return Reuse()
@@ -211,7 +246,59 @@ class PrefixCache:
                          [[e.blocks[layer] for e in entries] for layer in range(self.n_layers)],
                          entries[0].sinks)
         self.touch(keys[:n])
-        return Reuse(tokens=n * self.B, disk_tokens=disk_tokens, keys=list(keys[:n]))
+        return Reuse(tokens=n * self.B, disk_tokens=disk_tokens, keys=list(keys[:n]),
+                     derived_tokens=derived_tokens)
+
+    # -- master copies -----------------------------------------------------------------------
+    @property
+    def is_master(self) -> bool:
+        """This cache's layout is the master layout: its own blocks are the master copy."""
+        return self.signature == self.master_signature
+
+    def can_derive(self, config: KVConfig | None = None) -> bool:
+        """Whether blocks of `config` (default: this cache's) can be derived from a master copy
+        of this cache's model, block size and sinks (no layer above the master's bits)."""
+        config = self.config if config is None else config
+        return (config.block_size == self.B and config.sinks == self.config.sinks
+                and derivable(config, self.n_layers))
+
+    @property
+    def derives_from_master(self) -> bool:
+        return self.master is not None and not self.is_master and self.can_derive()
+
+    def master_keys(self, token_ids, n_blocks: int) -> list[bytes]:
+        """The master layout's keys of the first n_blocks full blocks of `token_ids`."""
+        return chain_keys_from(self.master_root, self.B, token_ids, n_blocks)
+
+    def derive_from_master(self, token_ids, keys: list[bytes], start: int = 0) -> int:
+        """Derive blocks start .. of the chain `keys` (of `token_ids`) from the master copy: the
+        master's memory, else its saved file. Returns the number of blocks now usable from the
+        chain's start (0: the master has nothing beyond `start`)."""
+        master = self.master
+        mkeys = chain_keys_from(master.root, self.B, token_ids, len(keys))
+        m = master.usable_blocks(mkeys)
+        if m > start:
+            entries = [master.entries[k] for k in mkeys[:m]]
+            rows = []
+            for layer, pool in enumerate(master.pools):
+                present = [e.blocks[layer] is not None for e in entries]
+                ids = [e.blocks[layer] for e in entries if e.blocks[layer] is not None]
+                rows.append((present, [pool.k_row(b) for b in ids], [pool.v_row(b) for b in ids]))
+            try:
+                _install(self, keys[:m], rows, entries[0].sinks, source="master", from_pools=master.pools)
+            except KVPoolFull as exc:
+                log.info("cannot derive the cached prefix from the master copy: %s", exc)
+                return 0
+            log.info("derived %d cached tokens for %s from the 8-bit master copy in memory",
+                     m * self.B, self.config)
+            master.touch(mkeys[:m])
+            if master.disk is not None and master.disk.path_for(mkeys[m - 1]).exists():
+                master.clear()  # saved: the master's memory is not needed until the next prefill
+            return m
+        if master.disk is not None:
+            return master.disk.load_longest(self, mkeys, token_ids, start=start, into_keys=keys,
+                                            as_master=master)
+        return 0
 
     def publish(self, seq: PagedKVCache, start: int, stop: int) -> None:
         """Register the sequence's full blocks start .. stop-1 (called as they fill up)."""
@@ -391,15 +478,25 @@ class PrefixDiskStore:
             log.info("removed cached prefix %s (disk budget %.0f MiB)", p.name, self.budget_bytes / 2**20)
 
     # -- reading -----------------------------------------------------------------------------
-    def load_longest(self, cache: PrefixCache, keys: list[bytes], token_ids, start: int = 0) -> int:
+    def load_longest(self, cache: PrefixCache, keys: list[bytes], token_ids, start: int = 0, *,
+                     into_keys: list[bytes] | None = None, as_master: PrefixCache | None = None) -> int:
         """Load the longest saved chain that is a prefix of `keys` and longer than `start`
-        blocks; returns the number of blocks it covers (0: none usable)."""
+        blocks; returns the number of blocks it covers (0: none usable).
+
+        With `as_master`, `keys` are the master layout's keys: the file is checked against
+        `as_master` (the master layout's cache) and its blocks are re-quantized into `cache`
+        under `into_keys` (the same blocks' keys in cache's layout)."""
+        source = cache if as_master is None else as_master
         for n in range(len(keys), start, -1):
             path = self.path_for(keys[n - 1])
             if not path.exists():
                 continue
             try:
-                self._load(cache, path, keys[:n])
+                rows, sinks = self._read(source, path, keys[:n])
+                if as_master is None:
+                    _install(cache, keys[:n], rows, sinks, source="disk")
+                else:
+                    _install(cache, into_keys[:n], rows, sinks, source="master", from_pools=as_master.pools)
             except PrefixFileError as exc:
                 log.warning("ignoring cached prefix %s: %s", path, exc)
                 path.unlink(missing_ok=True)
@@ -411,10 +508,23 @@ class PrefixDiskStore:
                 log.warning("cannot read cached prefix %s: %s", path, exc)
                 continue
             os.utime(path)
+            if as_master is None:
+                log.info("loaded %d cached tokens from %s", n * cache.B, path)
+            else:
+                log.info("derived %d cached tokens for %s from the 8-bit master copy %s", n * cache.B,
+                         cache.config, path)
             return n
         return 0
 
-    def _load(self, cache: PrefixCache, path: Path, keys: list[bytes]) -> None:
+    def saved_blocks(self, keys: list[bytes]) -> int:
+        """Blocks of the longest chain prefix of `keys` that has a saved file (not validated)."""
+        for n in range(len(keys), 0, -1):
+            if self.path_for(keys[n - 1]).exists():
+                return n
+        return 0
+
+    def _read(self, cache: PrefixCache, path: Path, keys: list[bytes]):
+        """The checked blocks of a saved chain: (per layer (present flags, K rows, V rows), sinks)."""
         data = path.read_bytes()
         if len(data) < 16 or data[:8] != _MAGIC:
             raise PrefixFileError("not a saved KV prefix")
@@ -465,24 +575,51 @@ class PrefixDiskStore:
                 sinks.append((sk, sv))
         if offset != len(payload):
             raise PrefixFileError("payload size does not match its layout")
-        # Make room for the blocks first, so a full pool fails before anything changes.
-        needs = {i: sum(p) for i, (p, _, _) in enumerate(rows)}
-        cache.evict(layer_needs=needs)
-        if any(cache.pools[i].n_free < need for i, need in needs.items()):
-            raise KVPoolFull("not enough free KV blocks to load the cached prefix")
-        row_of = [np.cumsum(present) - 1 for present, _, _ in rows]  # block i → its row in the file
-        for i, key in enumerate(keys):
-            if key in cache.entries:
+        return rows, sinks
+
+
+def _install(cache: PrefixCache, keys: list[bytes], rows, sinks, *, source: str,
+             from_pools=None) -> None:
+    """Put the blocks of a chain into `cache` as entries under `keys` (those already there are
+    kept). rows: per layer (present flags per block, K rows, V rows of the present blocks, in
+    chain order). from_pools: the pools whose formats the rows are in, when they are not
+    cache's own (a master copy): each layer's rows are re-quantized into cache's formats.
+
+    Raises KVPoolFull before anything changes when the pools cannot take the new blocks."""
+    new = [i for i, key in enumerate(keys) if key not in cache.entries]
+    row_of = [np.cumsum(present) - 1 for present, _, _ in rows]  # block i → its index in the rows
+    needs = {layer: sum(1 for i in new if present[i]) for layer, (present, _, _) in enumerate(rows)}
+    # Make room for the blocks first, so a full pool fails before anything changes.
+    cache.evict(layer_needs=needs)
+    if any(cache.pools[i].n_free < need for i, need in needs.items()):
+        raise KVPoolFull("not enough free KV blocks to load the cached prefix")
+    converted = []
+    for layer, (present, k, v) in enumerate(rows):
+        wanted = [int(row_of[layer][i]) for i in new if present[i]]
+        if not wanted:
+            converted.append({})
+            continue
+        k_rows = np.stack([np.frombuffer(k[j], np.uint8) for j in wanted])
+        v_rows = np.stack([np.frombuffer(v[j], np.uint8) for j in wanted])
+        if from_pools is not None:
+            k_rows, v_rows = requantize_rows(from_pools[layer], k_rows, v_rows, cache.pools[layer],
+                                             rotation=bool(cache.config.rotation))
+        converted.append({j: (k_rows[r], v_rows[r]) for r, j in enumerate(wanted)})
+    for i in new:
+        blocks: list[int | None] = []
+        for layer, (present, _, _) in enumerate(rows):
+            if not present[i]:
+                blocks.append(None)
                 continue
-            blocks: list[int | None] = []
-            for layer, (present, k, v) in enumerate(rows):
-                if not present[i]:
-                    blocks.append(None)
-                    continue
-                j = int(row_of[layer][i])
-                pool = cache.pools[layer]
-                b = pool.allocate()
-                pool.write_rows(b, np.frombuffer(k[j], np.uint8), np.frombuffer(v[j], np.uint8))
-                blocks.append(b)
-            cache.entries[key] = Entry(key, i, blocks, sinks if i == 0 else None, source="disk")
-        log.info("loaded %d cached tokens from %s", n * cache.B, path)
+            k_row, v_row = converted[layer][int(row_of[layer][i])]
+            pool = cache.pools[layer]
+            b = pool.allocate()
+            pool.write_rows(b, k_row, v_row)
+            blocks.append(b)
+        copied = None
+        if i == 0 and sinks is not None:
+            copied = [(sk.copy(), sv.copy()) for sk, sv in sinks]
+            if from_pools is not None and cache.config.rotation:  # a rotated layout stores f16(k @ H)
+                H = hadamard(sinks[0][0].shape[-1])
+                copied = [((sk @ H).astype(np.float16).astype(np.float32), sv) for sk, sv in copied]
+        cache.entries[keys[i]] = Entry(keys[i], i, blocks, copied, source=source)
