@@ -72,8 +72,9 @@ def _plain_text(path: Path) -> str:
                     raise DocumentError(
                         f"{path.name} looks like a binary file, not a document (use .txt, .md or .pdf)")
                 if b"\x00" in block:
+                    at = offset + block.index(b"\x00")
                     raise DocumentError(
-                        f"{path.name} has binary data (a NUL byte) after {_size_text(offset)} of "
+                        f"{path.name} has binary data (a NUL byte) after {_size_text(at)} of "
                         "text: it is not a plain-text document")
                 try:
                     parts.append(decoder.decode(block, final=final))

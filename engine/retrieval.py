@@ -146,32 +146,47 @@ def _pieces(lines: list[tuple[int, str]], count: Callable[[str], int], limit: in
         yield lines[0][0], lines[-1][0], text, n
         return
     run: list[tuple[int, str]] = []
-    run_tokens = 0
+    run_tokens = 0  # the lines' counts and one per joining newline: what their text counts, about
+
+    def piece() -> tuple[int, int, str, int]:
+        joined = "\n".join(t for _, t in run)
+        return run[0][0], run[-1][0], joined, count(joined)
+
     for loc, line in lines:
         n_line = count(line)
         if n_line > limit:  # one line longer than a piece: cut it into runs of words
             if run:
-                yield run[0][0], run[-1][0], "\n".join(t for _, t in run), run_tokens
+                yield piece()
                 run, run_tokens = [], 0
             yield from _word_pieces(loc, line, count, limit)
             continue
-        if run and run_tokens + n_line > limit:
-            yield run[0][0], run[-1][0], "\n".join(t for _, t in run), run_tokens
+        if run and run_tokens + 1 + n_line > limit:
+            yield piece()
             run, run_tokens = [], 0
+        run_tokens += n_line + (1 if run else 0)
         run.append((loc, line))
-        run_tokens += n_line + 1  # + the newline joining it
     if run:
-        yield run[0][0], run[-1][0], "\n".join(t for _, t in run), run_tokens
+        yield piece()
 
 
 def _word_pieces(loc: int, line: str, count: Callable[[str], int], limit: int
                  ) -> Iterator[tuple[int, int, str, int]]:
+    """A line longer than ``limit`` tokens as runs of words of at most ``limit`` (a run that
+    still counts more, words of uneven length, is halved until it fits; a single word is
+    kept whatever it counts)."""
     tokens = line.split(" ")
     step = max(1, len(tokens) * limit // max(count(line), 1))
-    for i in range(0, len(tokens), step):
-        piece = " ".join(tokens[i:i + step])
-        if piece.strip():
-            yield loc, loc, piece, count(piece)
+    pending = [tokens[i:i + step] for i in range(0, len(tokens), step)]
+    while pending:
+        run = pending.pop(0)
+        text = " ".join(run)
+        n = count(text)
+        if n > limit and len(run) > 1:
+            half = len(run) // 2
+            pending[:0] = [run[:half], run[half:]]
+            continue
+        if text.strip():
+            yield loc, loc, text, n
 
 
 def split_units(text: str, count: Callable[[str], int], *, piece_tokens: int,
