@@ -315,6 +315,12 @@ class Session:
                 whole.append(d)
         self._plan_key = key
 
+    def context_for_whole(self, n_tokens: int) -> int:
+        """About the context that would read a document of ``n_tokens`` whole after the
+        documents read whole now (its heading and the template's tokens estimated), with
+        ANSWER_RESERVE left."""
+        return self.prefix_tokens(self._whole_documents()) + n_tokens + 32 + ANSWER_RESERVE
+
     def _whole_documents(self) -> list[Document]:
         self._plan()
         return [d for d in self.documents if d.pinned and d.mode == "whole"]
