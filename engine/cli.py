@@ -371,6 +371,8 @@ def cmd_bench(args) -> int:
     from .engine import Engine
 
     path = _resolve(args.model)
+    if args.qa:
+        return _bench_qa(args, path)
     _check_fit(path, args, kv=(args.kv or ["full"])[0])
     engine = Engine.load(path)
     doc = Path(args.doc) if args.doc else bench.DEFAULT_DOC
@@ -387,6 +389,23 @@ def cmd_bench(args) -> int:
     print(paths["markdown"].read_text())
     for kind, path in paths.items():
         print(f"{kind}: {path}", file=sys.stderr)
+    return 0
+
+
+def _bench_qa(args, path: Path) -> int:
+    from . import bench
+    from .engine import Engine
+
+    args.ctx = args.ctx or bench.QA_CTX
+    specs = [str(parse_kv(s)) for s in (args.kv or ["k8v8", "k6v4", "k4v4"])]
+    _check_fit(path, args, kv=specs[0])
+    engine = Engine.load(path)
+    rows = bench.run_qa(engine, specs, ctx=args.ctx, max_tokens=args.max_tokens,
+                        progress=lambda msg: print(msg, file=sys.stderr))
+    paths = bench.write_qa_report(rows, Path(args.out), model=engine.name, ctx=args.ctx)
+    print(paths["markdown"].read_text())
+    for kind, p in paths.items():
+        print(f"{kind}: {p}", file=sys.stderr)
     return 0
 
 
@@ -714,6 +733,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-tokens", type=int, default=1024, help="document tokens for the KL column (0: skip)")
     p.add_argument("--tuned", action="store_true",
                    help="beside each quantized spec, per-layer widths tuned for its bytes (omlx kv-tune)")
+    p.add_argument("--qa", action="store_true",
+                   help="document QA instead: six planted facts in documents of 0.5x, 1x, 4x and 16x "
+                        "the context (--ctx, default 2048), read whole or by retrieval; default KV "
+                        "k8v8, k6v4, k4v4; writes bench-qa.md, .json, .png")
     _add_force(p)
     p.set_defaults(func=cmd_bench)
 
