@@ -151,6 +151,8 @@ class ModelInfo:
     geometry: dict = field(default_factory=dict)   # n_layers, n_kv_heads, head_dim, value_dim, windows
     fit_verdict: str = ""       # engine.fit's verdict at the context and KV setting it loaded with
     fit_summary: str = ""       # FitEstimate.summary(): the verdict with the estimate's parts
+    default_ctx: int = 0        # the model's context, capped by what fits in memory at the KV
+                                # setting (engine.fit.default_context): the panel's default
 
     def as_dict(self) -> dict:
         """The form the window and the KV panel read (``info["name"]``, ``info["geometry"]``)."""

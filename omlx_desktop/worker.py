@@ -218,6 +218,7 @@ class EngineWorker(QObject):
             has_chat_template=e.has_chat_template,
             geometry={"n_layers": g.n_layers, "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim,
                       "value_dim": g.value_dim, "windows": list(g.windows)},
+            default_ctx=self._max_ctx(),
         )
 
     # -- settings -------------------------------------------------------------------------
