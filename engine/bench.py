@@ -329,11 +329,12 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
                 engine.prefix_cache().clear()
                 text = qa_document(engine.tokenizer, n_tokens, facts)
                 session = Session(engine, ctx=ctx, doc_mode="whole" if size == "ctx" else "auto")
-                doc = session.add_document(text=text, name=f"qa-{size}x.txt", prefill=False)
+                label = "ctx" if size == "ctx" else f"{size:g}x"
+                doc = session.add_document(text=text, name=f"qa-{label}.txt", prefill=False)
                 stats, answers, correct = [], [], 0
                 for i, (q, accepted) in enumerate(questions):
                     if progress:
-                        progress(f"{engine.kv_config} {size}x ({doc.mode}): question {i + 1}/{len(questions)}")
+                        progress(f"{engine.kv_config} {label} ({doc.mode}): question {i + 1}/{len(questions)}")
                     r = session.ask(q, max_tokens=max_tokens).result
                     stats.append(r.stats)
                     answers.append(r.text.strip())
