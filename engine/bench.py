@@ -348,6 +348,11 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
                     ttft_mean_s=float(np.mean([s.ttft_s for s in stats])),
                     kv_bytes=max(s.kv_bytes for s in stats + [again.stats]),
                     prompt_tokens=stats[0].prompt_tokens, answers=answers))
+                if progress:
+                    r = rows[-1]
+                    progress(f"{r.spec} {label}: {r.mode}, {r.correct}/{r.n_questions} correct, TTFT cold "
+                             f"{r.ttft_cold_s:.2f} s, cached {r.ttft_cached_s:.3f} s, mean {r.ttft_mean_s:.2f} s, "
+                             f"KV {r.kv_bytes:,} bytes, answers {r.answers}")
     finally:
         engine.disk_cache = saved_disk
     return rows

@@ -400,7 +400,13 @@ def _bench_qa(args, path: Path) -> int:
     specs = [str(parse_kv(s)) for s in (args.kv or ["k8v8", "k6v4", "k4v4"])]
     _check_fit(path, args, kv=specs[0])
     engine = Engine.load(path)
-    rows = bench.run_qa(engine, specs, ctx=args.ctx, max_tokens=args.max_tokens,
+    sizes = bench.QA_SIZES
+    if args.qa_sizes:
+        try:
+            sizes = tuple(float(x) for x in args.qa_sizes.split(","))
+        except ValueError:
+            raise CLIError(f"--qa-sizes takes numbers separated by commas, e.g. 4,16; not {args.qa_sizes!r}") from None
+    rows = bench.run_qa(engine, specs, ctx=args.ctx, sizes=sizes, max_tokens=args.max_tokens,
                         progress=lambda msg: print(msg, file=sys.stderr))
     paths = bench.write_qa_report(rows, Path(args.out), model=engine.name, ctx=args.ctx)
     print(paths["markdown"].read_text())
@@ -737,6 +743,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="document QA instead: six planted facts in documents of 0.5x, 1x, 4x and 16x "
                         "the context (--ctx, default 2048), read whole or by retrieval; default KV "
                         "k8v8, k6v4, k4v4; writes bench-qa.md, .json, .png")
+    p.add_argument("--qa-sizes", metavar="X,Y", help="with --qa: document sizes as multiples of the "
+                   "context (default 0.5,1,4,16)")
     _add_force(p)
     p.set_defaults(func=cmd_bench)
 
