@@ -38,7 +38,7 @@ from .errors import DocumentError  # noqa: E402,F401
 
 DOC_MODES = ("auto", "whole", "retrieval")
 ANSWER_MARGIN = 32  # tokens kept free beyond max_tokens when retrieved sections fill the context
-MIN_RETRIEVAL_TOKENS = 128  # context a retrieval document needs at least for its sections
+MIN_RETRIEVAL_TOKENS = 332  # room a retrieval document needs: one chunk and its label
 
 
 @dataclass
@@ -371,14 +371,14 @@ class Session:
         answer_room = max(max_tokens + ANSWER_MARGIN, ANSWER_RESERVE)
         room = self.ctx - base_prefix - conversation_tokens - answer_room
         budget = room - 16 * len(docs)  # each document's heading
-        if budget < MIN_RETRIEVAL_TOKENS:
+        ranked = retrieval.rank(question, [(d.name, d.index) for d in docs])
+        chosen = retrieval.select(ranked, budget) if budget >= MIN_RETRIEVAL_TOKENS else []
+        if not chosen:
             names = ", ".join(d.name for d in docs)
             raise DocumentError(
                 f"no room for sections of {names}: the prompt takes {base_prefix + conversation_tokens:,} "
                 f"and the answer {answer_room:,} of the {self.ctx:,} context tokens (start a new "
                 "conversation, ask for a shorter answer, or raise the context)")
-        ranked = retrieval.rank(question, [(d.name, d.index) for d in docs])
-        chosen = retrieval.select(ranked, budget)
         while True:
             found = retrieval.sections(chosen, self._count_tokens)
             n_prefix = self.render([], add_generation_prompt=False, sections=found)[1]
