@@ -35,10 +35,11 @@ TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".text", ".rst", ".csv", ".log", ".
 
 from .documents import plain_text, read_document  # noqa: E402,F401  (read_document: its old home)
 from .errors import DocumentError  # noqa: E402,F401
+from .retrieval import CHUNK_TOKENS, SECTION_OVERHEAD_TOKENS  # noqa: E402
 
 DOC_MODES = ("auto", "whole", "retrieval")
 ANSWER_MARGIN = 32  # tokens kept free beyond max_tokens when retrieved sections fill the context
-MIN_RETRIEVAL_TOKENS = 332  # room a retrieval document needs: one chunk and its label
+MIN_RETRIEVAL_TOKENS = CHUNK_TOKENS + SECTION_OVERHEAD_TOKENS  # room for one chunk and its label
 
 
 @dataclass
