@@ -39,14 +39,14 @@ def read_document(path: str | Path) -> str:
             not UTF-8 text, or a PDF that cannot be parsed or has no text layer.
     """
     path = Path(path)
+    if path.is_dir():
+        raise DocumentError(f"{path.name} is a folder, not a document")
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
             head = f.read(8)
     except OSError as exc:
         raise DocumentError(f"cannot read {path.name}: {exc.strerror or exc}") from None
-    if path.is_dir():
-        raise DocumentError(f"{path.name} is a folder, not a document")
     if size == 0:
         raise DocumentError(f"{path.name} is empty (0 bytes)")
     if size > MAX_DOCUMENT_BYTES:
