@@ -242,7 +242,9 @@ def _plot(results: list[SpecResult], path: Path, model: str) -> Path | None:
 QA_DIR = RESOURCES / "bench" / "qa"
 QA_FACTS = QA_DIR / "facts.json"
 QA_FILLER = (RESOURCES / "bench" / "gpl-3.txt", QA_DIR / "apache-2.0.txt")
-QA_SIZES = (0.5, 1.0, 4.0, 16.0)  # document tokens as multiples of the context
+# document tokens as multiples of the context; "ctx": a context-sized document read whole, the
+# cold read a retrieval question's TTFT is compared with
+QA_SIZES = ("ctx", 0.5, 1.0, 4.0, 16.0)
 QA_CTX = 2048
 
 
@@ -310,10 +312,10 @@ class QARow:
 
 def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_tokens: int = 24,
            facts_path: Path = QA_FACTS, progress=None) -> list[QARow]:
-    """For each KV spec: a context-sized document read whole (the reference TTFT of a cold
-    context-sized prompt), then each size's document in auto mode (whole when it fits, else
-    retrieval), its six questions asked in turn and the first one again. The disk cache is off
-    so the first question of each document is cold."""
+    """For each KV spec and size: a document of that many contexts read in auto mode (whole when
+    it fits, else retrieval; "ctx": a context-sized one read whole, the reference cold read),
+    its six questions asked in turn and the first one again. The disk cache is off so the
+    first question of each document is cold."""
     from .session import ANSWER_RESERVE, Session
 
     facts = read_facts(facts_path)
@@ -324,7 +326,7 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
     try:
         for spec in specs:
             engine.set_kv(spec)
-            cases = [("ctx", ctx - ANSWER_RESERVE - 96)] + [(s, int(s * ctx)) for s in sizes]
+            cases = [(s, ctx - ANSWER_RESERVE - 96 if s == "ctx" else int(s * ctx)) for s in sizes]
             for size, n_tokens in cases:
                 engine.prefix_cache().clear()
                 text = qa_document(engine.tokenizer, n_tokens, facts)

@@ -403,9 +403,10 @@ def _bench_qa(args, path: Path) -> int:
     sizes = bench.QA_SIZES
     if args.qa_sizes:
         try:
-            sizes = tuple(float(x) for x in args.qa_sizes.split(","))
+            sizes = tuple(x.strip() if x.strip() == "ctx" else float(x) for x in args.qa_sizes.split(","))
         except ValueError:
-            raise CLIError(f"--qa-sizes takes numbers separated by commas, e.g. 4,16; not {args.qa_sizes!r}") from None
+            raise CLIError(f"--qa-sizes takes numbers (or ctx) separated by commas, e.g. ctx,4,16; "
+                           f"not {args.qa_sizes!r}") from None
     rows = bench.run_qa(engine, specs, ctx=args.ctx, sizes=sizes, max_tokens=args.max_tokens,
                         progress=lambda msg: print(msg, file=sys.stderr))
     paths = bench.write_qa_report(rows, Path(args.out), model=engine.name, ctx=args.ctx)
@@ -744,7 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the context (--ctx, default 2048), read whole or by retrieval; default KV "
                         "k8v8, k6v4, k4v4; writes bench-qa.md, .json, .png")
     p.add_argument("--qa-sizes", metavar="X,Y", help="with --qa: document sizes as multiples of the "
-                   "context (default 0.5,1,4,16)")
+                   "context, ctx for a context-sized one read whole (default ctx,0.5,1,4,16)")
     _add_force(p)
     p.set_defaults(func=cmd_bench)
 

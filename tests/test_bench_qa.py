@@ -47,7 +47,7 @@ def test_a_qa_document_has_its_facts_at_their_depths_and_about_its_size(tiny):
 
 
 def test_run_qa_writes_the_table_json_and_png(tiny, tmp_path):
-    rows = bench.run_qa(tiny, ["k8v8"], ctx=1024, sizes=(0.5, 4.0), max_tokens=2)
+    rows = bench.run_qa(tiny, ["k8v8"], ctx=1024, sizes=("ctx", 0.5, 4.0), max_tokens=2)
     assert [(r.size, r.mode) for r in rows] == [("ctx", "whole"), (0.5, "whole"), (4.0, "retrieval")]
     for r in rows:
         assert r.n_questions == 6 and 0 <= r.correct <= 6 and len(r.answers) == 6
