@@ -236,3 +236,192 @@ def _plot(results: list[SpecResult], path: Path, model: str) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# -- omlx bench --qa: documents longer than the context ----------------------------------------
+QA_DIR = RESOURCES / "bench" / "qa"
+QA_FACTS = QA_DIR / "facts.json"
+QA_FILLER = (RESOURCES / "bench" / "gpl-3.txt", QA_DIR / "apache-2.0.txt")
+# document tokens as multiples of the context; "ctx": a context-sized document read whole, the
+# cold read a retrieval question's TTFT is compared with
+QA_SIZES = ("ctx", 0.5, 1.0, 4.0, 16.0)
+QA_CTX = 2048
+
+
+def normalize_answer(text: str) -> str:
+    """Lower case, a minus sign before a digit spelled "minus", everything but letters and
+    digits removed: "-31 degrees" and "Minus 31" both contain "minus31"."""
+    import re
+
+    text = re.sub(r"(?<![\w])-(?=\d)", " minus ", text.lower())
+    return re.sub(r"[^a-z0-9]+", "", text)
+
+
+def is_correct(answer: str, accepted: list[str]) -> bool:
+    got = normalize_answer(answer)
+    return any(normalize_answer(a) in got for a in accepted)
+
+
+def read_facts(path: Path = QA_FACTS) -> dict:
+    data = json.loads(Path(path).read_text())
+    if len(data["facts"]) != len(data["depths"]):
+        raise ValueError(f"{path}: one depth per fact")
+    return data
+
+
+def qa_document(tokenizer, n_tokens: int, facts: dict) -> str:
+    """Filler paragraphs (the QA_FILLER texts in turn, again from the start when they run out)
+    up to about ``n_tokens`` tokens, with each fact as a paragraph of its own at its depth
+    (a fraction of the way through)."""
+    paragraphs = []
+    for path in QA_FILLER:
+        paragraphs += [p.strip() for p in path.read_text().split("\n\n") if p.strip()]
+    counts = [len(tokenizer.encode(p)) + 2 for p in paragraphs]
+    fact_tokens = sum(len(tokenizer.encode(f["fact"])) + 2 for f in facts["facts"])
+    body: list[str] = []
+    ends: list[int] = []  # tokens up to the end of each paragraph of the body
+    total, i = 0, 0
+    while total + counts[i % len(paragraphs)] <= max(n_tokens - fact_tokens, counts[0]):
+        body.append(paragraphs[i % len(paragraphs)])
+        total += counts[i % len(paragraphs)]
+        ends.append(total)
+        i += 1
+    # each fact after the paragraph where its depth's token falls; deepest first, so earlier
+    # insertions do not move the later positions
+    for depth, fact in sorted(zip(facts["depths"], facts["facts"]), key=lambda x: -x[0]):
+        at = next((j + 1 for j, end in enumerate(ends) if end >= depth * total), len(body))
+        body.insert(at, fact["fact"])
+    return "\n\n".join(body)
+
+
+@dataclass
+class QARow:
+    spec: str
+    size: float              # document tokens / context ("ctx" for the context-sized reference)
+    doc_tokens: int
+    mode: str                # how the document was read: "whole" or "retrieval"
+    correct: int
+    n_questions: int
+    ttft_cold_s: float       # the first question, nothing cached
+    ttft_cached_s: float     # the first question again: its prompt prefix reused
+    ttft_mean_s: float       # over the questions (each retrieves its own sections)
+    kv_bytes: int
+    prompt_tokens: int       # the first question's prompt
+    answers: list[str] = field(default_factory=list)
+
+
+def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_tokens: int = 24,
+           facts_path: Path = QA_FACTS, progress=None) -> list[QARow]:
+    """For each KV spec and size: a document of that many contexts read in auto mode (whole when
+    it fits, else retrieval; "ctx": a context-sized one read whole, the reference cold read),
+    its six questions asked in turn and the first one again. The disk cache is off so the
+    first question of each document is cold."""
+    from .session import ANSWER_RESERVE, Session
+
+    facts = read_facts(facts_path)
+    questions = [(f["question"], f["answers"]) for f in facts["facts"]]
+    saved_disk = engine.disk_cache
+    engine.disk_cache = False
+    rows: list[QARow] = []
+    try:
+        for spec in specs:
+            engine.set_kv(spec)
+            cases = [(s, ctx - ANSWER_RESERVE - 96 if s == "ctx" else int(s * ctx)) for s in sizes]
+            for size, n_tokens in cases:
+                engine.prefix_cache().clear()
+                text = qa_document(engine.tokenizer, n_tokens, facts)
+                session = Session(engine, ctx=ctx, doc_mode="whole" if size == "ctx" else "auto")
+                label = "ctx" if size == "ctx" else f"{size:g}x"
+                doc = session.add_document(text=text, name=f"qa-{label}.txt", prefill=False)
+                stats, answers, correct = [], [], 0
+                for i, (q, accepted) in enumerate(questions):
+                    if progress:
+                        progress(f"{engine.kv_config} {label} ({doc.mode}): question {i + 1}/{len(questions)}")
+                    r = session.ask(q, max_tokens=max_tokens).result
+                    stats.append(r.stats)
+                    answers.append(r.text.strip())
+                    correct += is_correct(r.text, accepted)
+                again = session.ask(questions[0][0], max_tokens=max_tokens).result
+                session.close()
+                rows.append(QARow(
+                    spec=str(engine.kv_config), size=size, doc_tokens=doc.n_tokens, mode=doc.mode,
+                    correct=correct, n_questions=len(questions), ttft_cold_s=stats[0].ttft_s,
+                    ttft_cached_s=again.stats.ttft_s,
+                    ttft_mean_s=float(np.mean([s.ttft_s for s in stats])),
+                    kv_bytes=max(s.kv_bytes for s in stats + [again.stats]),
+                    prompt_tokens=stats[0].prompt_tokens, answers=answers))
+                if progress:
+                    r = rows[-1]
+                    progress(f"{r.spec} {label}: {r.mode}, {r.correct}/{r.n_questions} correct, TTFT cold "
+                             f"{r.ttft_cold_s:.2f} s, cached {r.ttft_cached_s:.3f} s, mean {r.ttft_mean_s:.2f} s, "
+                             f"KV {r.kv_bytes:,} bytes, answers {r.answers}")
+    finally:
+        engine.disk_cache = saved_disk
+    return rows
+
+
+def write_qa_report(rows: list[QARow], out: Path, *, model: str, ctx: int) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"# omlx bench --qa: {model}, context {ctx:,}",
+        "",
+        "Six facts planted at spread depths; an answer counts when it contains the fact "
+        "(normalized). Auto mode: whole when the document fits, else retrieval. The ctx row is a "
+        "context-sized document read whole: the cold read a retrieval question is compared with.",
+        "",
+        "| KV | size | doc tokens | read | correct | TTFT cold s | TTFT cached s | TTFT mean s | prompt tokens | KV MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        size = "ctx" if r.size == "ctx" else f"{r.size:g}×"
+        lines.append(f"| {r.spec} | {size} | {r.doc_tokens:,} | {r.mode} | {r.correct}/{r.n_questions} | "
+                     f"{r.ttft_cold_s:.2f} | {r.ttft_cached_s:.3f} | {r.ttft_mean_s:.2f} | "
+                     f"{r.prompt_tokens:,} | {_mib(r.kv_bytes)} |")
+    md = out / "bench-qa.md"
+    md.write_text("\n".join(lines) + "\n")
+    data = out / "bench-qa.json"
+    data.write_text(json.dumps({"model": model, "ctx": ctx, "rows": [asdict(r) for r in rows]}, indent=1))
+    paths = {"markdown": md, "json": data}
+    png = _plot_qa(rows, out / "bench-qa.png", model, ctx)
+    if png is not None:
+        paths["png"] = png
+    return paths
+
+
+def _plot_qa(rows: list[QARow], path: Path, model: str, ctx: int) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    specs = list(dict.fromkeys(r.spec for r in rows))
+    sized = [r for r in rows if r.size != "ctx"]
+    sizes = list(dict.fromkeys(r.size for r in sized))
+    fig, (ax_ok, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(len(specs), 1)
+    for k, spec in enumerate(specs):
+        mine = {r.size: r for r in sized if r.spec == spec}
+        xs = [i + k * width for i in range(len(sizes))]
+        ax_ok.bar(xs, [mine[s].correct if s in mine else 0 for s in sizes], width, label=spec)
+        ax_t.plot([f"{s:g}×" for s in sizes], [mine[s].ttft_cold_s if s in mine else np.nan for s in sizes],
+                  marker="o", label=f"{spec} cold")
+        ax_t.plot([f"{s:g}×" for s in sizes], [mine[s].ttft_cached_s if s in mine else np.nan for s in sizes],
+                  marker="x", linestyle="--", label=f"{spec} cached")
+        ref = next((r for r in rows if r.spec == spec and r.size == "ctx"), None)
+        if ref is not None:
+            ax_t.axhline(ref.ttft_cold_s, color="grey", linestyle=":", label=f"{spec} ctx-sized cold read")
+    ax_ok.set_xticks([i + width * (len(specs) - 1) / 2 for i in range(len(sizes))], [f"{s:g}×" for s in sizes])
+    ax_ok.set_ylim(0, 6.5)
+    ax_ok.set_ylabel("correct answers (of 6)")
+    ax_ok.set_xlabel("document size / context")
+    ax_ok.legend(fontsize="small")
+    ax_t.set_ylabel("TTFT (s)")
+    ax_t.set_xlabel("document size / context")
+    ax_t.legend(fontsize="x-small")
+    fig.suptitle(f"omlx bench --qa: {model}, context {ctx:,}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

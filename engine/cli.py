@@ -274,11 +274,15 @@ def _session(args):
     """Engine + Session with the documents of --doc pinned (prefilled with progress)."""
     from .session import Session
 
+    if not args.ctx:  # the model's context, capped by what fits in memory at the KV setting
+        args.ctx = fit.default_context_file(_resolve(args.model), args.kv)
     engine = _load_engine(args)
-    session = Session(engine, system_prompt=getattr(args, "system", None), ctx=args.ctx, overflow=args.overflow)
+    session = Session(engine, system_prompt=getattr(args, "system", None), ctx=args.ctx,
+                      overflow=args.overflow, doc_mode=args.doc_mode)
     for path in args.doc or []:
         doc = session.add_document(path, prefill=args.prefill_docs)
-        print(f"pinned {doc.name}: {doc.n_tokens:,} tokens", file=sys.stderr)
+        how = "whole" if doc.mode == "whole" else f"by retrieval, {len(doc.index.chunks):,} sections"
+        print(f"pinned {doc.name}: {doc.n_tokens:,} tokens ({how})", file=sys.stderr)
     return engine, session
 
 
@@ -290,6 +294,12 @@ def _stats_line(s) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+def _sections_line(retrieved: list[dict]) -> str:
+    if not retrieved:
+        return "[no sections retrieved]"
+    return "[sections: " + "; ".join(f"{r['document']} {r['label']}" for r in retrieved) + "]"
+
+
 def cmd_chat(args) -> int:
     args.prefill_docs = True
     engine, session = _session(args)
@@ -297,6 +307,7 @@ def cmd_chat(args) -> int:
     mode = "chat" if engine.has_chat_template else "completion"
     print(f"{engine.name} ({mode}, context {session.ctx:,}, overflow {session.overflow}). "
           "Empty line or /quit to leave, /reset to start over.", file=sys.stderr)
+    retrieval_docs = any(d.mode == "retrieval" for d in session.documents if d.pinned)
     while True:
         try:
             line = input("> ")
@@ -317,6 +328,8 @@ def cmd_chat(args) -> int:
             pass
         result = gen.result
         sys.stdout.write("\n")
+        if retrieval_docs:
+            print(_sections_line(gen.retrieved), file=sys.stderr)
         print(_stats_line(result.stats), file=sys.stderr)
 
 
@@ -333,17 +346,23 @@ def cmd_ask(args) -> int:
         raise CLIError("give at least one --question (or --questions-file)")
     answers = []
     for q in questions:
-        result = session.ask(q, max_tokens=args.max_tokens, sampling=sampling).result
+        gen = session.ask(q, max_tokens=args.max_tokens, sampling=sampling)
+        result = gen.result
         s = result.stats
         answers.append({"question": q, "text": result.text, "ids": result.ids,
-                        "finish_reason": result.finish_reason, "stats": s.as_dict()})
+                        "finish_reason": result.finish_reason, "stats": s.as_dict(),
+                        "retrieved": gen.retrieved})
         if not args.json:
             print(f"Q: {q}\nA: {result.text.strip()}")
+            if gen.retrieved:
+                print(_sections_line(gen.retrieved), file=sys.stderr)
             print(_stats_line(s), file=sys.stderr)
     if args.json:
-        docs = [{"name": d.name, "tokens": d.n_tokens, "cached": d.cached} for d in session.documents]
+        docs = [{"name": d.name, "tokens": d.n_tokens, "cached": d.cached, "mode": d.mode}
+                for d in session.documents]
         print(json.dumps({"model": engine.name, "kv": str(engine.kv_config), "ctx": session.ctx,
-                          "overflow": session.overflow, "documents": docs, "answers": answers}))
+                          "overflow": session.overflow, "doc_mode": session.doc_mode,
+                          "documents": docs, "answers": answers}))
     return 0
 
 
@@ -352,6 +371,8 @@ def cmd_bench(args) -> int:
     from .engine import Engine
 
     path = _resolve(args.model)
+    if args.qa:
+        return _bench_qa(args, path)
     _check_fit(path, args, kv=(args.kv or ["full"])[0])
     engine = Engine.load(path)
     doc = Path(args.doc) if args.doc else bench.DEFAULT_DOC
@@ -368,6 +389,30 @@ def cmd_bench(args) -> int:
     print(paths["markdown"].read_text())
     for kind, path in paths.items():
         print(f"{kind}: {path}", file=sys.stderr)
+    return 0
+
+
+def _bench_qa(args, path: Path) -> int:
+    from . import bench
+    from .engine import Engine
+
+    args.ctx = args.ctx or bench.QA_CTX
+    specs = [str(parse_kv(s)) for s in (args.kv or ["k8v8", "k6v4", "k4v4"])]
+    _check_fit(path, args, kv=specs[0])
+    engine = Engine.load(path)
+    sizes = bench.QA_SIZES
+    if args.qa_sizes:
+        try:
+            sizes = tuple(x.strip() if x.strip() == "ctx" else float(x) for x in args.qa_sizes.split(","))
+        except ValueError:
+            raise CLIError(f"--qa-sizes takes numbers (or ctx) separated by commas, e.g. ctx,4,16; "
+                           f"not {args.qa_sizes!r}") from None
+    rows = bench.run_qa(engine, specs, ctx=args.ctx, sizes=sizes, max_tokens=args.max_tokens,
+                        progress=lambda msg: print(msg, file=sys.stderr))
+    paths = bench.write_qa_report(rows, Path(args.out), model=engine.name, ctx=args.ctx)
+    print(paths["markdown"].read_text())
+    for kind, p in paths.items():
+        print(f"{kind}: {p}", file=sys.stderr)
     return 0
 
 
@@ -632,7 +677,12 @@ def _add_session(p) -> None:
 
     p.add_argument("--doc", action="append", metavar="FILE",
                    help="pin a document (.txt, .md, .pdf) into the prompt prefix (repeatable)")
-    p.add_argument("--ctx", type=int, help="context limit in tokens (default: the model's)")
+    p.add_argument("--ctx", type=int,
+                   help="context limit in tokens (default: the model's, capped by what fits in memory)")
+    p.add_argument("--doc-mode", choices=("auto", "whole", "retrieval"), default="auto",
+                   help="documents in the prompt: whole, retrieval (per question, the sections that "
+                        "match it best, to fill the context), auto (default: whole when they fit, "
+                        "else retrieval)")
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="rolling",
                    help="at the context limit: stop, rolling (drop oldest conversation), "
                         "attention (drop least attended)")
@@ -740,6 +790,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-tokens", type=int, default=1024, help="document tokens for the KL column (0: skip)")
     p.add_argument("--tuned", action="store_true",
                    help="beside each quantized spec, per-layer widths tuned for its bytes (omlx kv-tune)")
+    p.add_argument("--qa", action="store_true",
+                   help="document QA instead: six planted facts in documents of 0.5x, 1x, 4x and 16x "
+                        "the context (--ctx, default 2048), read whole or by retrieval; default KV "
+                        "k8v8, k6v4, k4v4; writes bench-qa.md, .json, .png")
+    p.add_argument("--qa-sizes", metavar="X,Y", help="with --qa: document sizes as multiples of the "
+                   "context, ctx for a context-sized one read whole (default ctx,0.5,1,4,16)")
     _add_force(p)
     p.set_defaults(func=cmd_bench)
 

@@ -203,3 +203,37 @@ def check_fits(path, ctx: int | None = None, kv=None, *, force: bool = False) ->
             "or --force to load anyway"
         )
     return est
+
+
+CONTEXT_STEP = 256  # default contexts below the model's are multiples of this
+
+
+def default_context(gguf, kv=None, available: int | None = None) -> int:
+    """The context to use when none is given: the model's own, or, when that does not fit
+    ("fits" verdict) at KV spec ``kv``, the largest multiple of CONTEXT_STEP that does (at
+    least CONTEXT_STEP: a model that fits nowhere is left to the fit check to refuse)."""
+    from .models import model_args
+
+    model_ctx = int(model_args(gguf).context_length)
+    available = available_bytes() if available is None else int(available)
+    if estimate(gguf, model_ctx, kv, available).verdict == FITS:
+        return model_ctx
+    lo, hi = 1, model_ctx // CONTEXT_STEP  # in steps: lo fits (or is the floor), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if estimate(gguf, mid * CONTEXT_STEP, kv, available).verdict == FITS:
+            lo = mid
+        else:
+            hi = mid
+    return lo * CONTEXT_STEP
+
+
+def default_context_file(path, kv=None, available: int | None = None) -> int:
+    """:func:`default_context` for the GGUF file at ``path`` (reads its header only)."""
+    from .gguf_file import GGUFFile
+
+    gguf = GGUFFile(path)
+    try:
+        return default_context(gguf, kv, available)
+    finally:
+        gguf.close()

@@ -158,13 +158,15 @@ class RemoteDocument:
     pinned: bool = True
     n_tokens: int = 0      # estimated (no tokenizer of the remote model here): characters / 4
     cached: bool = False   # whether the server reuses it is the server's business
+    mode: str = "whole"    # always read whole: retrieval needs the model's tokenizer and context
+    index: None = None
 
 
 class RemoteSession:
     """A conversation answered by a :class:`RemoteEndpoint` (see the module docstring)."""
 
     def __init__(self, endpoint: RemoteEndpoint, *, system_prompt: str | None = None,
-                 ctx: int | None = None, overflow: str = "rolling"):
+                 ctx: int | None = None, overflow: str = "rolling", doc_mode: str = "auto"):
         if not endpoint.model:
             raise EngineError("connect to the server and choose a model first")
         self.endpoint = endpoint
@@ -173,6 +175,21 @@ class RemoteSession:
         self.overflow = overflow       # the server decides what happens at its limit
         self.documents: list[RemoteDocument] = []
         self.messages: list[dict] = []
+        self.doc_mode = "whole"
+        if doc_mode not in ("auto", "whole"):   # a conversation saved in retrieval mode: read whole
+            log.info("a remote server reads documents whole (the conversation asked for %s)", doc_mode)
+
+    def set_doc_mode(self, mode: str, progress=None, cancel=None) -> None:
+        """Documents go to a server whole ("auto" means that here): choosing sections needs the
+        model's tokenizer and context, which a remote server does not share.
+
+        Raises:
+            DocumentError: "retrieval" (or an unknown mode).
+        """
+        if mode not in ("auto", "whole"):
+            raise DocumentError(f"a remote server reads documents whole; {mode!r} reading needs a "
+                                "local model (its tokenizer and context)")
+        self.doc_mode = "whole"
 
     # Settings the worker applies to every session; a remote server has its own.
     def set_ctx(self, ctx: int) -> None:

@@ -34,54 +34,13 @@ ANSWER_RESERVE = 256  # context tokens a pinned prefix must leave for a question
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".text", ".rst", ".csv", ".log", ".json", ".py"}
 
 
+from .documents import plain_text, read_document  # noqa: E402,F401  (read_document: its old home)
 from .errors import DocumentError  # noqa: E402,F401
+from .retrieval import CHUNK_TOKENS, SECTION_OVERHEAD_TOKENS  # noqa: E402
 
-
-def read_document(path: str | Path) -> str:
-    """The text of a .txt / .md (or other plain text) or .pdf file.
-
-    Raises:
-        DocumentError: unreadable, binary, not UTF-8 text, or a PDF without extractable text.
-    """
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise DocumentError(f"cannot read {path.name}: {exc.strerror or exc}") from None
-    if path.suffix.lower() == ".pdf" or data[:5] == b"%PDF-":
-        return _pdf_text(path, data)
-    if b"\x00" in data[:65536]:
-        raise DocumentError(
-            f"{path.name} looks like a binary file, not a document (use .txt, .md or .pdf)"
-        )
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise DocumentError(
-            f"{path.name} is not UTF-8 text (byte {exc.start}): save it as UTF-8, or use .txt, .md or .pdf"
-        ) from None
-    if not text.strip():
-        raise DocumentError(f"{path.name} is empty")
-    return text.replace("\r\n", "\n")
-
-
-def _pdf_text(path: Path, data: bytes) -> str:
-    import io
-
-    try:
-        from pypdf import PdfReader
-        from pypdf.errors import PdfReadError
-    except ImportError:  # pragma: no cover - a declared dependency
-        raise DocumentError("reading PDF files needs the 'pypdf' package") from None
-    try:
-        reader = PdfReader(io.BytesIO(data))
-        pages = [page.extract_text() or "" for page in reader.pages]
-    except (PdfReadError, ValueError, KeyError, TypeError, OSError) as exc:
-        raise DocumentError(f"{path.name} is not a readable PDF ({exc})") from None
-    text = "\n\n".join(p.strip() for p in pages if p.strip())
-    if not text:
-        raise DocumentError(f"{path.name} has no text to read (a scanned PDF needs OCR first)")
-    return text
+DOC_MODES = ("auto", "whole", "retrieval")
+ANSWER_MARGIN = 32  # tokens kept free beyond max_tokens when retrieved sections fill the context
+MIN_RETRIEVAL_TOKENS = CHUNK_TOKENS + SECTION_OVERHEAD_TOKENS  # room for one chunk and its label
 
 
 @dataclass
@@ -93,6 +52,8 @@ class Document:
     n_tokens: int = 0
     cached: bool = False  # its blocks are prefilled and pinned in the KV cache
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    mode: str = "whole"  # how it is in the prompt now: "whole", or "retrieval" (sections per question)
+    index: object | None = None  # its engine.retrieval.DocumentIndex once it needed one
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -111,10 +72,14 @@ class Session:
         system_prompt: text put first in the prompt (None: the chat template's default).
         ctx: context limit in tokens (default: the model's trained context).
         overflow: what happens at the limit: "stop", "rolling" (default) or "attention".
+        doc_mode: how pinned documents are put in the prompt: "whole" (default: all of each, a
+            document that does not fit is refused), "retrieval" (per question, the sections
+            that match it best, as many as the context has room for) or "auto" (whole while
+            the documents fit, retrieval for those that do not).
     """
 
     def __init__(self, engine: Engine, *, system_prompt: str | None = None, ctx: int | None = None,
-                 overflow: str = "rolling"):
+                 overflow: str = "rolling", doc_mode: str = "whole"):
         self.engine = engine
         self.system_prompt = system_prompt
         self.ctx = engine.model.context_length if ctx is None else int(ctx)
@@ -124,6 +89,11 @@ class Session:
         if overflow not in OVERFLOW_POLICIES:
             raise EngineError(f"overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}, not {overflow!r}")
         self.overflow = overflow
+        if doc_mode not in DOC_MODES:
+            raise EngineError(f"document mode must be one of {', '.join(DOC_MODES)}, not {doc_mode!r}")
+        self.doc_mode = doc_mode
+        self._plan_key: tuple | None = None
+        self.last_sections: list = []  # engine.retrieval.Section: what the last turn was shown
         self.documents: list[Document] = []
         self.messages: list[dict] = []
         self._cache: PrefixCache | None = None
@@ -145,6 +115,39 @@ class Session:
             raise EngineError(f"ctx must be between 64 and {self.engine.model.context_length:,}")
         self.ctx = int(ctx)
         self._release_live()
+        self._plan()
+        self._repin()
+
+    def set_doc_mode(self, mode: str, *, progress: Callable[[int, int], None] | None = None,
+                     cancel: threading.Event | None = None) -> None:
+        """Switch how pinned documents are put in the prompt (see the class's ``doc_mode``);
+        the retrieval indexes it needs are built (or loaded) now.
+
+        Raises:
+            DocumentError: "whole" while the pinned documents do not fit (nothing changes).
+        """
+        if mode not in DOC_MODES:
+            raise EngineError(f"document mode must be one of {', '.join(DOC_MODES)}, not {mode!r}")
+        if mode == "whole":
+            pinned = [d for d in self.documents if d.pinned]
+            total = self.prefix_tokens(pinned)
+            if pinned and total + ANSWER_RESERVE > self.ctx:
+                raise DocumentError(
+                    f"the pinned documents are {total:,} tokens with the system prompt; the context "
+                    f"holds {self.ctx:,} and {ANSWER_RESERVE} are kept for the question and answer: "
+                    "raise the context, or read them by retrieval")
+        old = self.doc_mode
+        self.doc_mode = mode
+        try:
+            self._plan()
+            for d in self._retrieval_documents():
+                self._ensure_index(d, progress=progress, cancel=cancel)
+        except BaseException:
+            self.doc_mode = old
+            self._plan()
+            raise
+        self._release_live()
+        self._repin()
 
     def _prefix_cache(self) -> PrefixCache:
         """The engine's prefix cache for its current KV config; a config change drops the live
@@ -157,7 +160,7 @@ class Session:
             self._pinned_keys = []
             self._saved_key = None
             for doc in self.documents:
-                doc.cached = False
+                doc.cached = doc.mode == "retrieval" and doc.index is not None
             self._cache = cache
         return cache
 
@@ -174,20 +177,30 @@ class Session:
         self._pinned_keys = []
 
     # -- documents ------------------------------------------------------------------------
-    def _system_content(self, documents: Sequence[Document] | None = None) -> str | None:
-        docs = [d for d in (self.documents if documents is None else documents) if d.pinned]
+    def _system_content(self, documents: Sequence[Document] | None = None,
+                        sections: Sequence = ()) -> str | None:
+        """The system turn: the system prompt, the whole documents (``documents``, all taken
+        whole; default: the pinned ones the plan reads whole), then retrieved ``sections``
+        (engine.retrieval.Section) grouped per document in the order they come."""
+        from .retrieval import render_sections
+
+        docs = [d for d in (self._whole_documents() if documents is None else documents) if d.pinned]
         parts = [self.system_prompt] if self.system_prompt else []
-        if docs:
+        if docs or sections:
             parts.append("Answer using these documents.")
             for d in docs:
-                parts.append(f"Document: {d.name}\n\n{d.text.strip()}")
+                parts.append(f"Document: {d.name}\n\n{plain_text(d.text).strip()}")
+            names = list(dict.fromkeys(s.document for s in sections))
+            for name in names:
+                parts.append(render_sections(name, [s for s in sections if s.document == name]))
         return "\n\n".join(parts) if parts else None
 
     def render(self, conversation: Sequence[dict], documents: Sequence[Document] | None = None,
-               add_generation_prompt: bool = True) -> tuple[list[int], int]:
-        """Token ids of a prompt and the length of its pinned prefix (0 if there is none)."""
+               add_generation_prompt: bool = True, sections: Sequence = ()) -> tuple[list[int], int]:
+        """Token ids of a prompt and the length of its pinned prefix (0 if there is none). The
+        prefix holds the system prompt, the whole documents and the retrieved ``sections``."""
         e, tok = self.engine, self.engine.tokenizer
-        system = self._system_content(documents)
+        system = self._system_content(documents, sections)
         if e.has_chat_template:
             system_msgs = [{"role": "system", "content": system}] if system else []
             if not system_msgs:
@@ -239,8 +252,12 @@ class Session:
         not part of the prompt, so it need not fit the context. ``doc_id`` names it for
         :meth:`set_pinned` / :meth:`remove_document` (default: a new random id).
 
+        In "auto" or "retrieval" mode a document read by retrieval is not prefilled: its index
+        is built (or loaded from the cache folder) instead, with ``progress``.
+
         Raises:
-            DocumentError: unreadable, or too large for the context (nothing changes then).
+            DocumentError: unreadable, too large for the context in "whole" mode, or no room
+                left for its sections (nothing changes then).
         """
         if text is None:
             if source is None:
@@ -257,36 +274,151 @@ class Session:
         if not pinned:
             self.documents.append(doc)
             return doc
-        others = self.prefix_tokens()
-        total = self.prefix_tokens(self.documents + [doc])
-        if total + ANSWER_RESERVE > self.ctx:
-            raise DocumentError(
-                f"{name} is {doc.n_tokens:,} tokens; with the system prompt and the other pinned "
-                f"documents ({others:,} tokens) the prompt would start with {total:,} tokens, but the "
-                f"context holds {self.ctx:,} and {ANSWER_RESERVE} are kept for the question and answer"
-            )
+        if self.doc_mode == "whole":
+            others = self.prefix_tokens(self._whole_documents())
+            total = self.prefix_tokens(self._whole_documents() + [doc])
+            if total + ANSWER_RESERVE > self.ctx:
+                raise DocumentError(
+                    f"{name} is {doc.n_tokens:,} tokens; with the system prompt and the other pinned "
+                    f"documents ({others:,} tokens) the prompt would start with {total:,} tokens, but the "
+                    f"context holds {self.ctx:,} and {ANSWER_RESERVE} are kept for the question and answer"
+                )
         self.documents.append(doc)
+        try:
+            self._plan()
+            if doc.mode == "retrieval":
+                self._check_retrieval_room(doc)
+                self._ensure_index(doc, progress=progress, cancel=cancel)
+        except BaseException:
+            self.documents.remove(doc)
+            self._plan()
+            raise
         if prefill:
-            self.prepare(progress=progress, cancel=cancel)
+            self.prepare(progress=progress if doc.mode == "whole" else None, cancel=cancel)
         return doc
+
+    # -- whole or retrieval ---------------------------------------------------------------
+    def _plan(self) -> None:
+        """Decides each pinned document's ``mode`` for the current context and document mode
+        (remembered until one of them, the pinned set or the system prompt changes). In "auto",
+        documents are taken whole in the order added while the prefix leaves ANSWER_RESERVE
+        tokens; a document that does not fit then is read by retrieval."""
+        pinned = [d for d in self.documents if d.pinned]
+        key = (self.ctx, self.doc_mode, self.system_prompt, tuple(d.id for d in pinned))
+        if key == self._plan_key:
+            return
+        whole: list[Document] = []
+        for d in pinned:
+            if self.doc_mode == "auto":
+                fits = self.prefix_tokens(whole + [d]) + ANSWER_RESERVE <= self.ctx
+            else:
+                fits = self.doc_mode == "whole"
+            d.mode = "whole" if fits else "retrieval"
+            if fits:
+                whole.append(d)
+        self._plan_key = key
+
+    def context_for_whole(self, n_tokens: int) -> int:
+        """About the context that would read a document of ``n_tokens`` whole after the
+        documents read whole now (its heading and the template's tokens estimated), with
+        ANSWER_RESERVE left."""
+        return self.prefix_tokens(self._whole_documents()) + n_tokens + 32 + ANSWER_RESERVE
+
+    def _whole_documents(self) -> list[Document]:
+        self._plan()
+        return [d for d in self.documents if d.pinned and d.mode == "whole"]
+
+    def _retrieval_documents(self) -> list[Document]:
+        self._plan()
+        return [d for d in self.documents if d.pinned and d.mode == "retrieval"]
+
+    def _count_tokens(self, text: str) -> int:
+        return len(self.engine.tokenizer.encode(text, add_bos=False, parse_special=False))
+
+    def _check_retrieval_room(self, doc: Document) -> None:
+        before = self.prefix_tokens(self._whole_documents())
+        if before + MIN_RETRIEVAL_TOKENS + ANSWER_RESERVE > self.ctx:
+            raise DocumentError(
+                f"{doc.name} is read by retrieval, but the system prompt and the documents pinned "
+                f"whole take {before:,} of the {self.ctx:,} context tokens: no room is left for its "
+                "sections (unpin one, or raise the context)")
+
+    def _ensure_index(self, doc: Document, *, progress: Callable[[int, int], None] | None = None,
+                      cancel: threading.Event | None = None) -> None:
+        """The document's retrieval index: loaded from the cache folder, else built and saved."""
+        if doc.index is None:
+            from .retrieval import DocumentIndex
+
+            doc.index = DocumentIndex.open(doc.text, self._count_tokens, self.engine.model_id,
+                                           cancel=cancel, progress=progress)
+            log.info("%s: %d sections indexed (%s)", doc.name, len(doc.index.chunks),
+                     "loaded" if doc.index.loaded else "built")
+        doc.cached = True
+        if progress is not None:
+            progress(1, 1)
+
+    def _retrieve(self, conversation: list[dict], max_tokens: int) -> list:
+        """The sections of the retrieval documents for the conversation's last user message:
+        the best chunks that fit the context left after the system prompt, the whole documents,
+        the conversation (at most half the context: the overflow policy drops older turns) and
+        the answer's room (max_tokens + ANSWER_MARGIN, at least ANSWER_RESERVE), in document
+        order."""
+        from . import retrieval
+
+        docs = self._retrieval_documents()
+        for d in docs:
+            self._ensure_index(d)
+        question = next((m["content"] for m in reversed(conversation) if m["role"] == "user"), "")
+        base_ids, base_prefix = self.render(conversation)
+        conversation_tokens = min(len(base_ids) - base_prefix, self.ctx // 2)
+        answer_room = max(max_tokens + ANSWER_MARGIN, ANSWER_RESERVE)
+        room = self.ctx - base_prefix - conversation_tokens - answer_room
+        budget = room - 16 * len(docs)  # each document's heading
+        ranked = retrieval.rank(question, [(d.name, d.index) for d in docs])
+        chosen = retrieval.select(ranked, budget) if budget >= MIN_RETRIEVAL_TOKENS else []
+        if not chosen:
+            names = ", ".join(d.name for d in docs)
+            raise DocumentError(
+                f"no room for sections of {names}: the prompt takes {base_prefix + conversation_tokens:,} "
+                f"and the answer {answer_room:,} of the {self.ctx:,} context tokens (start a new "
+                "conversation, ask for a shorter answer, or raise the context)")
+        while True:
+            found = retrieval.sections(chosen, self._count_tokens)
+            n_prefix = self.render([], add_generation_prompt=False, sections=found)[1]
+            if n_prefix <= self.ctx - conversation_tokens - answer_room or len(chosen) <= 1:
+                return found
+            # the labels took more than estimated: the weakest chunk goes
+            weakest = min(range(len(chosen)), key=lambda i: (chosen[i].score, -i))
+            chosen = chosen[:weakest] + chosen[weakest + 1:]
 
     def set_pinned(self, doc_id: str, pinned: bool, *, prefill: bool = True,
                    progress: Callable[[int, int], None] | None = None) -> None:
         doc = self._document(doc_id)
-        if pinned and not doc.pinned:
+        if pinned and not doc.pinned and self.doc_mode == "whole":
             total = self.prefix_tokens([d for d in self.documents if d.pinned or d is doc])
             if total + ANSWER_RESERVE > self.ctx:
                 raise DocumentError(f"pinning {doc.name} would make the prompt start with {total:,} "
                                     f"tokens; the context holds {self.ctx:,}")
+        was = doc.pinned
         doc.pinned = pinned
         if not pinned:
             doc.cached = False
+        try:
+            self._plan()
+            if pinned and doc.mode == "retrieval":
+                self._check_retrieval_room(doc)
+                self._ensure_index(doc, progress=progress)
+        except BaseException:
+            doc.pinned = was
+            self._plan()
+            raise
         self._repin()
         if pinned and prefill:
-            self.prepare(progress=progress)
+            self.prepare(progress=progress if doc.mode == "whole" else None)
 
     def remove_document(self, doc_id: str) -> None:
         self.documents.remove(self._document(doc_id))
+        self._plan()
         self._repin()
 
     def _document(self, doc_id: str) -> Document:
@@ -327,7 +459,10 @@ class Session:
             cache.save(keys)
             self._saved_key = keys[-1]
         for doc in self.documents:
-            doc.cached = doc.pinned and bool(keys)
+            if doc.mode == "retrieval":
+                doc.cached = doc.pinned and doc.index is not None
+            else:
+                doc.cached = doc.pinned and bool(keys)
         return n_prefix if keys else 0
 
     def switch_cost(self, kv) -> dict:
@@ -398,7 +533,9 @@ class Session:
               sampling: SamplingParams | None = None, stop: Sequence[str] = (),
               cancel: threading.Event | None = None,
               prefill_progress: Callable[[int, int], None] | None = None) -> Generation:
-        ids, n_prefix = self.render(conversation)
+        found = self._retrieve(conversation, max_tokens) if self._retrieval_documents() else []
+        ids, n_prefix = self.render(conversation, sections=found)
+        self.last_sections = found
         if n_prefix + ANSWER_RESERVE > self.ctx and n_prefix:
             raise DocumentError(f"the pinned documents take {n_prefix:,} of the {self.ctx:,} context tokens")
         t_request = time.perf_counter()
@@ -432,7 +569,9 @@ class Session:
                 self.messages.append(message)
             holder.append(result)
 
-        return Generation(run(), holder)
+        generation = Generation(run(), holder)
+        generation.retrieved = [s.as_dict() for s in found]  # the sections this answer was shown
+        return generation
 
     def send(self, text: str, **options) -> Generation:
         """Add a user message and start the answer (iterate the Generation for text)."""
@@ -499,4 +638,5 @@ class Session:
         self.messages.clear()
 
 
-__all__ = ["Session", "Document", "DocumentError", "read_document", "ANSWER_RESERVE", "StreamChunk"]
+__all__ = ["Session", "Document", "DocumentError", "read_document", "ANSWER_RESERVE", "DOC_MODES",
+           "StreamChunk"]

@@ -248,7 +248,7 @@ class ChatController(QObject):
         except NotFound:
             pass
         if turn.conv == w.conversations.conv_id:
-            w.transcript.finish_streaming(text, state)
+            w.transcript.finish_streaming(text, state, stats.get("retrieved"))
             self.last_stats = stats
             w.stats_label.setText(stats_text(stats))
         w.clear_error("turn")

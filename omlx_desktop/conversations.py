@@ -30,6 +30,8 @@ def transcript_messages(messages) -> list[dict]:
         item = {"role": m.role, "content": m.content, "state": m.state}
         if m.state == "interrupted" and (m.stats or {}).get("finish_reason") == "cancelled":
             item["stopped"] = True
+        if (m.stats or {}).get("retrieved"):  # the document sections the answer was shown
+            item["sections"] = m.stats["retrieved"]
         shown.append(item)
     return shown
 
@@ -206,4 +208,4 @@ class ConversationsController(QObject):
         messages = tuple({"role": m.role, "content": m.content} for m in w.store.messages(conv.id)
                          if m.role in ("user", "assistant") and (m.role == "user" or m.content))
         w.request(OpenConversation(conv.id, conv.system_prompt, messages,
-                                   w.docs.stored_for_worker(conv.id)))
+                                   w.docs.stored_for_worker(conv.id), w.docs.mode_for(conv.id)))

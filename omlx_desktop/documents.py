@@ -3,6 +3,12 @@ the Store), pin / unpin, remove, and the panel's rows following what the engine 
 
 Rows and the worker know a document by a key: ``d<id>`` for one from the Store, ``new<n>`` for
 one still being read; ``doc_ids`` maps keys to Store ids once a document is in the Store.
+
+Each conversation has a document mode (Auto, Whole document, Retrieval; a Store setting
+``doc_mode:<conversation id>``, Auto when never chosen). A document that does not fit keeps its
+row with the fix in place: raise the context (when the model and memory allow one that holds
+it) or use retrieval; either re-adds it. The sections an answer was shown are listed under it in
+the transcript; clicking one opens :class:`SectionPreview` on the document's text.
 """
 
 from __future__ import annotations
@@ -12,15 +18,48 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject
+from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QPlainTextEdit, QVBoxLayout
 
 from .protocol import (
     AddDocument, DocumentAdded, DocumentFailed, DocumentPinned, DocumentsChanged, RemoveDocument,
-    SetPinned, StoredDocument,
+    SetDocMode, SetPinned, StoredDocument,
 )
 from .store import NotFound
 
 if TYPE_CHECKING:
     from .window import MainWindow
+
+
+DEFAULT_DOC_MODE = "auto"
+
+
+def excerpt(text: str, section: dict) -> str:
+    """The part of a document's ``text`` a section names: its lines ``start``..``end``, or its
+    pages (a PDF's pages start at form feeds, see engine.documents.join_pages)."""
+    start, end = int(section["start"]), int(section["end"])
+    if section.get("unit") == "pages":
+        pages = text.split("\f")  # pages[i] is page i + 1 (from its first form feed on)
+        return "\n\n".join(p.strip() for p in pages[start - 1:end] if p.strip())
+    return "\n".join(text.split("\n")[start - 1:end])
+
+
+class SectionPreview(QDialog):
+    """A section of a document, as the model was shown it, in a read-only view."""
+
+    def __init__(self, parent, name: str, section: dict, text: str):
+        super().__init__(parent)
+        self.setWindowTitle(f"{name} — {section.get('label', '')}")
+        self.resize(640, 480)
+        heading = QLabel(f"<b>{name}</b>, {section.get('label', '')} "
+                         f"({section.get('tokens', 0):,} tokens, score {section.get('score', 0):.2f})")
+        self.view = QPlainTextEdit(text)
+        self.view.setReadOnly(True)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+        buttons.rejected.connect(self.close)
+        layout = QVBoxLayout(self)
+        layout.addWidget(heading)
+        layout.addWidget(self.view, 1)
+        layout.addWidget(buttons)
 
 
 class DocumentsController(QObject):
@@ -29,19 +68,89 @@ class DocumentsController(QObject):
         self.w = window
         self.doc_ids: dict[str, int] = {}       # panel/worker key -> Store document id
         self._new_keys = itertools.count(1)
+        self._refused: dict[str, str] = {}      # key -> path of a document that did not fit
+        self._paths: dict[str, str] = {}        # key -> path of a file being added
+        self.preview: SectionPreview | None = None
         panel = window.documents
         panel.addFilesRequested.connect(self.add)
         panel.pinToggled.connect(self.set_pinned)
         panel.removeRequested.connect(self.remove)
+        panel.docModeChanged.connect(self.set_mode)
+        panel.raiseContextRequested.connect(self.raise_context)
+        panel.useRetrievalRequested.connect(self.use_retrieval)
+        sections = getattr(window.transcript, "sectionRequested", None)
+        if sections is not None:
+            sections.connect(self.preview_section)
 
     def _conv(self) -> int | None:
         return self.w.conversations.conv_id
+
+    # -- the document mode ----------------------------------------------------------------
+    def mode_for(self, conv_id: int) -> str:
+        return self.w.store.get_setting(f"doc_mode:{conv_id}", DEFAULT_DOC_MODE)
+
+    def set_mode(self, mode: str) -> None:
+        """The open conversation reads its documents as ``mode`` from now on."""
+        conv = self._conv()
+        if conv is None:
+            conv = self.w.conversations.new()
+        self.w.store.set_setting(f"doc_mode:{conv}", mode)
+        self.w.documents.set_doc_mode(mode)
+        if self.w.models.model_info is not None:
+            for key, row in self.w.documents.rows.items():
+                if key in self.doc_ids and row.pin.isChecked():
+                    self.w.documents.set_progress(key, 0, 1)
+            self.w.request(SetDocMode(conv, mode))
+
+    def raise_context(self, key: str, ctx: int) -> None:
+        """The row's offer: the context goes up to ``ctx`` (the KV panel's setting, which the
+        worker applies first), then the document is read again: re-added if it was refused,
+        else the conversation's documents are planned again (it is now read whole)."""
+        conv = self._conv()
+        if conv is None or ctx <= 0:
+            return
+        self.w.kv_panel.ctx_spin.setValue(max(ctx, self.w.kv_panel.ctx_spin.value()))
+        if key in self._refused:
+            self._retry(key)
+        else:
+            self.w.documents.set_progress(key, 0, 1)
+            self.w.request(SetDocMode(conv, self.mode_for(conv)))
+
+    def use_retrieval(self, key: str) -> None:
+        """The row's offer: the conversation switches to retrieval and the document is re-added."""
+        self.set_mode("retrieval")
+        if key in self._refused:
+            self._retry(key)
+
+    def _retry(self, key: str) -> None:
+        path = self._refused.pop(key)
+        self.w.documents.set_progress(key, 0, 1)
+        self.w.request(AddDocument(self._conv(), key, path))
+
+    # -- sections in the transcript -------------------------------------------------------
+    def preview_section(self, section: dict) -> SectionPreview | None:
+        """Opens the text of a section an answer was shown (from the open conversation's
+        document of that name)."""
+        conv = self._conv()
+        if conv is None:
+            return None
+        doc = next((d for d in self.w.store.documents(conv) if d.name == section.get("document")), None)
+        if doc is None:
+            self.w.statusBar().showMessage(f"{section.get('document')} is no longer in this conversation", 5000)
+            return None
+        if self.preview is not None:
+            self.preview.close()
+        self.preview = SectionPreview(self.w, doc.name, section, excerpt(doc.text, section))
+        self.preview.show()
+        return self.preview
 
     # -- a conversation opened ------------------------------------------------------------
     def show_stored(self, conv_id: int) -> None:
         """The panel shows the conversation's documents as the Store has them."""
         panel = self.w.documents
         panel.clear()
+        self._refused.clear()
+        panel.set_doc_mode(self.mode_for(conv_id))
         for d in self.w.store.documents(conv_id):
             key = f"d{d.id}"
             self.doc_ids[key] = d.id
@@ -58,6 +167,9 @@ class DocumentsController(QObject):
         return tuple(StoredDocument(f"d{d.id}", d.name, d.text, d.path, d.pinned) for d in docs)
 
     # -- requests -------------------------------------------------------------------------
+    def _path_of(self, key: str) -> str:
+        return self._paths.get(key, "")
+
     def add(self, paths: list[str]) -> list[str]:
         """Pins files to the open conversation (read and prefilled in the worker); returns the
         rows' keys."""
@@ -73,6 +185,7 @@ class DocumentsController(QObject):
             key = f"new{next(self._new_keys)}"
             row = w.documents.add_row(key, Path(path).name)
             row.info_label.setText("waiting…")
+            self._paths[key] = str(path)
             w.request(AddDocument(self._conv(), key, str(path)))
             keys.append(key)
         return keys
@@ -88,6 +201,9 @@ class DocumentsController(QObject):
         self.w.request(SetPinned(conv, key, pinned))
 
     def remove(self, key: str) -> None:
+        if self._refused.pop(key, None) is not None:  # never added: only its row to dismiss
+            self.w.documents.remove_row(key)
+            return
         doc_id = self.doc_ids.pop(key, None)
         conv = self._conv()
         if doc_id is None or conv is None:
@@ -115,6 +231,11 @@ class DocumentsController(QObject):
         except NotFound:  # the conversation was deleted meanwhile
             return
         self.doc_ids[info.key] = doc.id
+        self._refused.pop(info.key, None)
+        for key, path in list(self._refused.items()):  # the same file added again meanwhile
+            if path == info.path:
+                self._refused.pop(key)
+                w.documents.remove_row(key)
         if result.conv == self._conv():
             w.documents.set_info(info.key, info.as_dict())
             w.clear_error("document")
@@ -125,7 +246,14 @@ class DocumentsController(QObject):
         if w.closed:
             return
         if result.key not in self.doc_ids and result.conv == self._conv():
-            w.documents.remove_row(result.key)
+            row = w.documents.rows.get(result.key)
+            if (result.needs_ctx or result.can_retrieve) and row is not None:
+                # it was read but does not fit: the row stays, offering what would make it fit
+                self._refused[result.key] = self._path_of(result.key)
+                w.documents.set_failed(result.key, row.name, result.failure.message,
+                                       result.needs_ctx, result.can_retrieve)
+            else:
+                w.documents.remove_row(result.key)
         w.show_error(result.failure.message, "document")
 
     def on_pinned(self, result: DocumentPinned) -> None:

@@ -1,22 +1,36 @@
 """The pinned documents of the open conversation: one row per document with its name, token
 count, a progress bar while it is read into the KV cache, a "cached" badge once its blocks are
-pinned, and pin / remove controls.
+pinned, and pin / remove controls. Above them, the conversation's document mode: Auto (whole
+while documents fit the context, else retrieval), Whole document, Retrieval.
+
+A document read by retrieval says so ("retrieval, 30 sections") and, when a context the model
+and the memory allow would hold it whole, offers to raise the context (a button in its row). A
+document that could not be pinned because it does not fit keeps its row with the ways to make
+it fit (raise the context, use retrieval) instead of vanishing.
 
 Rows are keyed by the string the window and the worker use for the document. The panel emits
-requests (``addFilesRequested``, ``pinToggled``, ``removeRequested``) and shows what it is told;
-it never talks to the engine or the Store itself.
+requests (``addFilesRequested``, ``pinToggled``, ``removeRequested``, ``docModeChanged``,
+``raiseContextRequested``, ``useRetrievalRequested``) and shows what it is told; it never talks
+to the engine or the Store itself.
 """
 
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QCheckBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QScrollArea,
-    QToolButton, QVBoxLayout, QWidget,
+    QCheckBox, QComboBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton,
+    QScrollArea, QToolButton, QVBoxLayout, QWidget,
 )
 
 DOCUMENT_FILTER = "Documents (*.txt *.md *.markdown *.pdf);;All files (*)"
 DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".text", ".rst", ".pdf", ".csv", ".log", ".json")
+
+DOC_MODES = (("auto", "Auto"), ("whole", "Whole document"), ("retrieval", "Retrieval"))
+DOC_MODE_TIPS = {
+    "auto": "Documents that fit the context are read whole; longer ones by retrieval",
+    "whole": "Every pinned document is read whole (one that does not fit the context is refused)",
+    "retrieval": "Per question, the sections that match it best fill the context",
+}
 
 BADGE_STYLE = ("QLabel { background: #16a34a; color: white; border-radius: 7px;"
                " padding: 1px 7px; font-size: 11px; font-weight: 600; }")
@@ -53,6 +67,27 @@ class DocumentRow(QFrame):
         self.remove.setToolTip("Remove the document from this conversation")
         self.remove.setAutoRaise(True)
         self.remove.setEnabled(False)  # once it is in the conversation
+        # the way to make it fit: a message and up to two buttons (hidden while not needed)
+        self.offer = QWidget()
+        self.offer_label = QLabel()
+        self.offer_label.setWordWrap(True)
+        self.raise_button = QPushButton()
+        self.retrieval_button = QPushButton("Use retrieval")
+        self.retrieval_button.setToolTip("Read this conversation's documents by retrieval: per "
+                                         "question, the sections that match it best")
+        self.raise_ctx = 0
+        offer_buttons = QHBoxLayout()
+        offer_buttons.setContentsMargins(0, 0, 0, 0)
+        offer_buttons.addWidget(self.raise_button)
+        offer_buttons.addWidget(self.retrieval_button)
+        offer_buttons.addStretch(1)
+        offer_layout = QVBoxLayout(self.offer)
+        offer_layout.setContentsMargins(0, 2, 0, 0)
+        offer_layout.setSpacing(2)
+        offer_layout.addWidget(self.offer_label)
+        offer_layout.addLayout(offer_buttons)
+        self.offer.setVisible(False)
+        self.failed = False  # not pinned: it does not fit (the offer says how to make it fit)
 
         top = QHBoxLayout()
         top.setContentsMargins(0, 0, 0, 0)
@@ -69,6 +104,7 @@ class DocumentRow(QFrame):
         layout.addLayout(top)
         layout.addLayout(bottom)
         layout.addWidget(self.progress)
+        layout.addWidget(self.offer)
 
     @property
     def name(self) -> str:
@@ -78,6 +114,8 @@ class DocumentRow(QFrame):
         """Being read into the KV cache (again, e.g. for a new KV preset): not cached until
         :meth:`set_info` says so."""
         self.badge.setVisible(False)
+        self.offer.setVisible(False)
+        self.failed = False
         self.progress.setVisible(True)
         self.progress.setRange(0, max(total, 1))
         self.progress.setValue(min(done, total))
@@ -87,20 +125,61 @@ class DocumentRow(QFrame):
         self.name_label.setText(info.get("name", self.name))
         n = info.get("n_tokens")
         pinned = bool(info.get("pinned", True))
-        self.info_label.setText(f"{n:,} tokens" if n else "not counted yet")
+        retrieval = pinned and info.get("mode") == "retrieval"
+        text = f"{n:,} tokens" if n else "not counted yet"
+        if retrieval:
+            sections = info.get("sections") or 0
+            text += f" · retrieval, {sections:,} sections" if sections else " · retrieval"
+        self.info_label.setText(text)
+        self.badge.setText("indexed" if retrieval else "cached")
+        self.badge.setToolTip("Its sections are indexed: each question is shown the best ones"
+                              if retrieval else
+                              "Its KV blocks are prefilled and pinned: questions reuse them")
         self.badge.setVisible(bool(info.get("cached")) and pinned)
         self.progress.setVisible(False)
+        self.failed = False
+        whole_ctx = int(info.get("whole_ctx") or 0) if retrieval else 0
+        if whole_ctx:
+            self._show_offer("Longer than the context: questions see its best sections.",
+                             whole_ctx, False)
+        else:
+            self.offer.setVisible(False)
         self.pin.blockSignals(True)
         self.pin.setChecked(pinned)
         self.pin.blockSignals(False)
         self.pin.setEnabled(True)
         self.remove.setEnabled(True)
 
+    def _show_offer(self, message: str, raise_ctx: int, can_retrieve: bool) -> None:
+        self.raise_ctx = raise_ctx
+        self.offer_label.setText(message)
+        self.raise_button.setText(f"Raise context to {raise_ctx:,}" if raise_ctx else "")
+        self.raise_button.setToolTip("The model and the memory allow this context: the document "
+                                     "is read whole")
+        self.raise_button.setVisible(bool(raise_ctx))
+        self.retrieval_button.setVisible(can_retrieve)
+        self.offer.setVisible(True)
+
+    def set_failed(self, message: str, raise_ctx: int, can_retrieve: bool) -> None:
+        """Not pinned: ``message`` says why, and the buttons offer what would make it fit."""
+        self.failed = True
+        self.progress.setVisible(False)
+        self.badge.setVisible(False)
+        self.info_label.setText("not pinned: it does not fit")
+        if not raise_ctx and not can_retrieve:
+            message += " No larger context fits the model and memory."
+        self._show_offer(message, raise_ctx, can_retrieve)
+        self.pin.setEnabled(False)
+        self.remove.setEnabled(True)  # dismisses it
+
 
 class DocumentsPanel(QWidget):
     addFilesRequested = Signal(list)        # [path]
     pinToggled = Signal(str, bool)          # key, pinned
     removeRequested = Signal(str)           # key
+    docModeChanged = Signal(str)            # "auto" | "whole" | "retrieval"
+    raiseContextRequested = Signal(str, int)  # key, context
+    useRetrievalRequested = Signal(str)     # key
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -114,6 +193,18 @@ class DocumentsPanel(QWidget):
         head.setContentsMargins(0, 0, 0, 0)
         head.addWidget(self.add_button)
         head.addWidget(hint, 1)
+        self.mode_box = QComboBox()
+        for mode, label in DOC_MODES:
+            self.mode_box.addItem(label, mode)
+            self.mode_box.setItemData(self.mode_box.count() - 1, DOC_MODE_TIPS[mode],
+                                      Qt.ItemDataRole.ToolTipRole)
+        self.mode_box.setToolTip("How this conversation's documents are put in the prompt")
+        self.mode_box.currentIndexChanged.connect(
+            lambda i: self.docModeChanged.emit(self.mode_box.itemData(i)))
+        mode_row = QHBoxLayout()
+        mode_row.setContentsMargins(0, 0, 0, 0)
+        mode_row.addWidget(QLabel("Read documents:"))
+        mode_row.addWidget(self.mode_box, 1)
 
         self.empty_label = QLabel("No documents pinned to this conversation.")
         self.empty_label.setStyleSheet("color: palette(mid);")
@@ -132,6 +223,7 @@ class DocumentsPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 6, 6, 6)
         layout.addLayout(head)
+        layout.addLayout(mode_row)
         layout.addWidget(scroll, 1)
         self.add_button.clicked.connect(self.choose_files)
 
@@ -140,6 +232,16 @@ class DocumentsPanel(QWidget):
         if paths:
             self.addFilesRequested.emit(paths)
 
+    def doc_mode(self) -> str:
+        return self.mode_box.currentData()
+
+    def set_doc_mode(self, mode: str) -> None:
+        """Shows ``mode`` (without emitting docModeChanged)."""
+        index = max(self.mode_box.findData(mode), 0)
+        self.mode_box.blockSignals(True)
+        self.mode_box.setCurrentIndex(index)
+        self.mode_box.blockSignals(False)
+
     # -- rows -----------------------------------------------------------------------------
     def add_row(self, key: str, name: str) -> DocumentRow:
         row = self.rows.get(key)
@@ -147,6 +249,10 @@ class DocumentsPanel(QWidget):
             row = DocumentRow(key, name, self._list)
             row.pin.toggled.connect(lambda on, k=key: self.pinToggled.emit(k, on))
             row.remove.clicked.connect(lambda _=False, k=key: self.removeRequested.emit(k))
+            row.raise_button.clicked.connect(
+                lambda _=False, r=row: self.raiseContextRequested.emit(r.key, r.raise_ctx))
+            row.retrieval_button.clicked.connect(
+                lambda _=False, k=key: self.useRetrievalRequested.emit(k))
             self.rows[key] = row
             self._list_layout.insertWidget(self._list_layout.count() - 1, row)
         self.empty_label.setVisible(False)
@@ -155,6 +261,9 @@ class DocumentsPanel(QWidget):
     def set_progress(self, key: str, done: int, total: int) -> None:
         if key in self.rows:
             self.rows[key].set_progress(done, total)
+
+    def set_failed(self, key: str, name: str, message: str, raise_ctx: int, can_retrieve: bool) -> None:
+        (self.rows.get(key) or self.add_row(key, name)).set_failed(message, raise_ctx, can_retrieve)
 
     def set_info(self, key: str, info: dict) -> None:
         row = self.rows.get(key) or self.add_row(key, info.get("name", key))
@@ -166,7 +275,7 @@ class DocumentsPanel(QWidget):
         keys = {i["key"] for i in infos}
         for key in list(self.rows):
             row = self.rows[key]
-            if key not in keys and row.pin.isEnabled():
+            if key not in keys and row.pin.isEnabled() and not row.failed:
                 self.remove_row(key)
         for info in infos:
             self.set_info(info["key"], info)

@@ -197,6 +197,8 @@ class KVPanel(QWidget):
         self._geometry: dict | None = None
         self._n_layers: int | None = None
         self._max_ctx: int | None = None
+        # the context was set by the user (or restored as set): a model's default no longer applies
+        self._ctx_chosen = False
         self._updating = False
         # the Auto preset: the loaded model's profile (engine.kvtune.Profile), the slider's
         # position, the last choice, and whether a measurement is running
@@ -319,6 +321,7 @@ class KVPanel(QWidget):
             box.setMinimumContentsLength(14)
         self.high_precision.toggled.connect(self.set_high_precision)
         self.ctx_spin.valueChanged.connect(lambda _: self._changed())
+        self.ctx_spin.valueChanged.connect(self._ctx_edited)
         self.overflow_box.currentIndexChanged.connect(lambda _: self._changed())
         self.advanced_button.toggled.connect(self._toggle_advanced)
         self.apply_first_last.clicked.connect(
@@ -378,7 +381,7 @@ class KVPanel(QWidget):
     def state(self) -> dict:
         """Everything needed to restore the panel (JSON-able)."""
         return {**self._core(), "high_precision": self._hp, "before_high_precision": self._before_hp,
-                "ctx": self.ctx_spin.value(), "overflow": self.overflow(),
+                "ctx": self.ctx_spin.value(), "ctx_chosen": self._ctx_chosen, "overflow": self.overflow(),
                 "advanced_open": self.advanced_button.isChecked(), "auto_position": self._auto_position}
 
     def set_state(self, state: dict | None) -> None:
@@ -391,6 +394,9 @@ class KVPanel(QWidget):
             self._before_hp = state.get("before_high_precision") if self._hp else None
             if state.get("ctx"):
                 self.ctx_spin.setValue(int(state["ctx"]))
+            # a state saved before the flag existed: a context other than the default was chosen
+            self._ctx_chosen = bool(state.get("ctx_chosen",
+                                              int(state.get("ctx") or DEFAULT_CTX) != DEFAULT_CTX))
             if state.get("overflow") in OVERFLOW_POLICIES:
                 self.overflow_box.setCurrentIndex(OVERFLOW_POLICIES.index(state["overflow"]))
             self.advanced_button.setChecked(bool(state.get("advanced_open")))
@@ -435,6 +441,9 @@ class KVPanel(QWidget):
         try:
             if self._max_ctx:
                 self.ctx_spin.setMaximum(self._max_ctx)
+                if not self._ctx_chosen and info.get("default_ctx"):
+                    # the model's own context, capped by what fits in memory (engine.fit)
+                    self.ctx_spin.setValue(int(info["default_ctx"]))
             else:
                 self.ctx_spin.setMaximum(1 << 20)
             if self._n_layers:
@@ -714,6 +723,10 @@ class KVPanel(QWidget):
         self.auto.show_running(self._tuning, self._profile is None and self._geometry is not None)
 
     # -- refresh --------------------------------------------------------------------------
+    def _ctx_edited(self, _value: int) -> None:
+        if not self._updating:
+            self._ctx_chosen = True
+
     def _changed(self) -> None:
         if self._updating:
             return

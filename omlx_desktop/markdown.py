@@ -4,12 +4,17 @@ from markdown (``QTextCursor.insertMarkdown``, GitHub dialect), the user's messa
 While an answer streams only that answer is re-rendered: the view remembers where the answer's
 text starts and replaces everything after it with the new markdown on each update (the window
 calls :meth:`TranscriptView.update_streaming` at most every ~50 ms).
+
+Under an answer that was shown sections of a document (retrieval), a line lists them (line
+ranges, or pages), each a link ``omlx-section:<message>:<section>``; activating one emits
+``sectionRequested`` with the section (its dict as ``ask --json`` has it) instead of navigating.
 """
 
 from __future__ import annotations
 
 import html
 
+from PySide6.QtCore import QUrl, Signal
 from PySide6.QtGui import QTextBlockFormat, QTextCharFormat, QTextCursor, QTextDocument
 from PySide6.QtWidgets import QTextBrowser, QWidget
 
@@ -25,7 +30,12 @@ def markdown_to_plain(text: str) -> str:
     return doc.toPlainText()
 
 
+SECTION_SCHEME = "omlx-section"
+
+
 class TranscriptView(QTextBrowser):
+    sectionRequested = Signal(object)   # a section dict: document, unit, start, end, label, ...
+
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setOpenExternalLinks(True)
@@ -79,6 +89,32 @@ class TranscriptView(QTextBrowser):
             cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
             cursor.insertText("(stopped)" if stopped else "(interrupted)", fmt)
 
+    def _sections_note(self, cursor: QTextCursor, message_index: int, sections: list[dict]) -> None:
+        """Under an answer: the document sections it was shown, each a link to its preview."""
+        cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+        links = ", ".join(
+            f"<a href='{SECTION_SCHEME}:{message_index}:{j}'>"
+            f"{html.escape(s.get('document', ''))} {html.escape(s.get('label', ''))}</a>"
+            for j, s in enumerate(sections))
+        cursor.insertHtml(f"<span style='color:#888; font-size:small'>Sections used: {links}</span>")
+        cursor.setCharFormat(QTextCharFormat())
+
+    def doSetSource(self, name: QUrl, type=QTextDocument.ResourceType.UnknownResource) -> None:
+        if name.scheme() == SECTION_SCHEME:  # a section link: a preview, not a navigation
+            try:
+                i, j = (int(x) for x in name.path().split(":"))
+                section = self.messages[i]["sections"][j]
+            except (ValueError, IndexError, KeyError):
+                return
+            self.sectionRequested.emit(dict(section))
+            return
+        super().doSetSource(name, type)
+
+    def section_links(self) -> list[str]:
+        """The section links shown (``omlx-section:<message>:<section>``), in order."""
+        return [f"{SECTION_SCHEME}:{i}:{j}" for i, m in enumerate(self.messages)
+                for j in range(len(m.get("sections") or ()))]
+
     def set_messages(self, messages: list[dict]) -> None:
         """Shows a whole conversation: [{"role", "content", "state"}, optionally "stopped":
         True on an interrupted answer the user stopped] (system messages are not shown)."""
@@ -96,6 +132,8 @@ class TranscriptView(QTextBrowser):
             self._header(cursor, m["role"])
             self._body(cursor, m["role"], m.get("content", ""))
             self._state_note(cursor, m.get("state", "complete"), bool(m.get("stopped")))
+            if m["role"] == "assistant" and m.get("sections"):
+                self._sections_note(cursor, len(self.messages), m["sections"])
             self.messages.append(dict(m))
         cursor.endEditBlock()
         self.scroll_to_end()
@@ -139,12 +177,15 @@ class TranscriptView(QTextBrowser):
         if at_end:
             self.scroll_to_end()
 
-    def finish_streaming(self, text: str, state: str = "complete") -> None:
+    def finish_streaming(self, text: str, state: str = "complete", sections: list | None = None) -> None:
         """Ends the streaming answer; rebuilding its header drops the "…" note. An answer that
-        ends 'interrupted' while it is shown was stopped by the user."""
+        ends 'interrupted' while it is shown was stopped by the user. ``sections``: the document
+        sections it was shown (listed under it)."""
         if self._stream_start is None:
             return
         self.messages[-1].update(content=text, state=state)
+        if sections:
+            self.messages[-1]["sections"] = list(sections)
         if state == "interrupted":
             self.messages[-1]["stopped"] = True
         messages = self.messages

@@ -87,6 +87,7 @@ class OpenConversation:
     system_prompt: str | None = None
     messages: tuple[dict, ...] = ()
     documents: tuple[StoredDocument, ...] = ()
+    doc_mode: str = "auto"      # engine.session.DOC_MODES: how its documents are in the prompt
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,15 @@ class SetPinned:
     conv: int
     key: str
     pinned: bool
+
+
+@dataclass(frozen=True)
+class SetDocMode:
+    """The conversation's document mode ("auto", "whole", "retrieval"); also sent after the
+    context was raised for a document, to read the pinned documents as the new context allows."""
+
+    conv: int
+    mode: str
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,8 @@ class ModelInfo:
     fit_summary: str = ""       # FitEstimate.summary(): the verdict with the estimate's parts
     remote: bool = False        # a model on an OpenAI-compatible server (path is its base URL):
                                 # no local file, no KV settings
+    default_ctx: int = 0        # the model's context, capped by what fits in memory at the KV
+                                # setting (engine.fit.default_context): the panel's default
 
     def as_dict(self) -> dict:
         """The form the window and the KV panel read (``info["name"]``, ``info["geometry"]``)."""
@@ -241,6 +253,10 @@ class DocumentInfo:
     n_tokens: int
     pinned: bool
     cached: bool                # its blocks are prefilled and pinned in the KV cache
+    mode: str = "whole"         # "whole", or "retrieval": sections per question
+    sections: int = 0           # retrieval: the chunks of its index
+    whole_ctx: int = 0          # retrieval: a context that would read it whole, if the model
+                                # and the memory allow one (0: none does)
 
     def as_dict(self) -> dict:
         """The form :class:`DocumentsPanel` shows."""
@@ -259,6 +275,8 @@ class DocumentFailed:
     conv: int
     key: str
     failure: Failure
+    needs_ctx: int = 0          # a context that would hold it, if the model and memory allow (0: none)
+    can_retrieve: bool = False  # read by retrieval it would fit (the conversation reads whole)
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from engine.fit import DOES_NOT_FIT
 from .protocol import (
     AddDocument, Configure, ConnectRemote, DocumentAdded, DocumentFailed, DocumentInfo, DocumentPinned,
     DocumentsChanged, Failure, FetchModel, FitCheck, KVApplied, KVProfileReady, ListRemoteModels, LoadModel,
-    MeasureKVProfile, ModelInfo, OpenConversation, RemoteModels, RemoveDocument, SendMessage, SetPinned,
-    Shutdown, TurnFailed, TurnFinished,
+    MeasureKVProfile, ModelInfo, OpenConversation, RemoteModels, RemoveDocument, SendMessage, SetDocMode,
+    SetPinned, Shutdown, TurnFailed, TurnFinished,
 )
 
 log = logging.getLogger("omlx.desktop.worker")
@@ -137,7 +137,7 @@ class EngineWorker(QObject):
             OpenConversation: self.open_conversation, SendMessage: self.send,
             AddDocument: self.add_document, SetPinned: self.set_pinned,
             RemoveDocument: self.remove_document, MeasureKVProfile: self.measure_kv_profile,
-            Shutdown: self.shutdown,
+            SetDocMode: self.set_doc_mode, Shutdown: self.shutdown,
             ListRemoteModels: self.list_remote_models, ConnectRemote: self.connect_remote,
         }
 
@@ -281,6 +281,7 @@ class EngineWorker(QObject):
             has_chat_template=e.has_chat_template,
             geometry={"n_layers": g.n_layers, "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim,
                       "value_dim": g.value_dim, "windows": list(g.windows)},
+            default_ctx=self._max_ctx(),
         )
 
     # -- settings -------------------------------------------------------------------------
@@ -361,16 +362,18 @@ class EngineWorker(QObject):
                 log.exception("closing the session failed")
             self.session = None
 
-    def _new_session(self, system_prompt: str | None):
+    def _new_session(self, system_prompt: str | None, doc_mode: str = "auto"):
         from engine.session import Session
 
         if self.remote is not None:
             from engine.remote import RemoteSession
 
-            return RemoteSession(self.remote, system_prompt=system_prompt, overflow=self.overflow)
+            return RemoteSession(self.remote, system_prompt=system_prompt, overflow=self.overflow,
+                                 doc_mode=doc_mode)
         e = self.engine
         ctx = min(self.ctx or e.model.context_length, e.model.context_length)
-        return Session(e, system_prompt=system_prompt, ctx=ctx, overflow=self.overflow)
+        return Session(e, system_prompt=system_prompt, ctx=ctx, overflow=self.overflow,
+                       doc_mode=doc_mode)
 
     def open_conversation(self, request: OpenConversation) -> None:
         """A new Session for the conversation: its messages, then its documents re-added (the
@@ -383,7 +386,7 @@ class EngineWorker(QObject):
         try:
             self._close_session()
             self._apply_settings()
-            session = self._new_session(request.system_prompt)
+            session = self._new_session(request.system_prompt, request.doc_mode)
             self.session, self.conv = session, conv
             session.load_messages(request.messages)
             for d in request.documents:
@@ -406,9 +409,38 @@ class EngineWorker(QObject):
 
     def _documents(self, conv: int) -> DocumentsChanged:
         docs = self.session.documents if self.session is not None else []
-        return DocumentsChanged(conv, tuple(
-            DocumentInfo(key=d.id, name=d.name, path=d.path, n_tokens=d.n_tokens,
-                         pinned=d.pinned, cached=d.cached) for d in docs))
+        return DocumentsChanged(conv, tuple(self._document_info(d) for d in docs))
+
+    def _document_info(self, d) -> DocumentInfo:
+        retrieval = d.pinned and d.mode == "retrieval"
+        return DocumentInfo(key=d.id, name=d.name, path=d.path, n_tokens=d.n_tokens,
+                            pinned=d.pinned, cached=d.cached, mode=d.mode if d.pinned else "whole",
+                            sections=len(d.index.chunks) if retrieval and d.index is not None else 0,
+                            whole_ctx=self._whole_ctx(d.n_tokens) if retrieval else 0)
+
+    def _max_ctx(self) -> int:
+        """The largest context for the loaded model: its own, capped by what fits in memory at
+        the wanted KV setting (engine.fit)."""
+        from engine import fit
+
+        try:
+            return fit.default_context(self.engine.gguf, self.spec)
+        except Exception as exc:  # a setting for another model's layers: the default's estimate
+            log.info("no context estimate at %s: %s", self.spec, exc)
+            return fit.default_context(self.engine.gguf, None)
+
+    def _whole_ctx(self, n_tokens: int) -> int:
+        """A context that holds the pinned whole documents plus one of ``n_tokens`` read whole,
+        with the answer's reserve (rounded up to engine.fit's step), if one that large is
+        allowed and larger than the current one; else 0."""
+        from engine import fit
+
+        s = self.session
+        if s is None:
+            return 0
+        needed = s.context_for_whole(n_tokens)
+        needed = -(-needed // fit.CONTEXT_STEP) * fit.CONTEXT_STEP
+        return needed if s.ctx < needed <= self._max_ctx() else 0
 
     def _check_conv(self, conv: int) -> None:
         from engine.errors import EngineError
@@ -464,6 +496,7 @@ class EngineWorker(QObject):
         if stopped_in is not None:
             stats["engine_stop_s"] = stopped_in   # Stop pressed -> the engine's loop ended
         stats["kv_spec"] = str(self.engine.kv_config) if self.engine is not None else "remote"
+        stats["retrieved"] = list(getattr(gen, "retrieved", []))  # sections the answer was shown
         self.turnFinished.emit(TurnFinished(rid, result.text, result.finish_reason, stats))
         self.documentsChanged.emit(self._documents(self.conv))
 
@@ -479,6 +512,7 @@ class EngineWorker(QObject):
         from engine.session import read_document
 
         conv, key, path = request.conv, request.key, request.path
+        text = None
         try:
             self._check_conv(conv)
             self._apply_settings()          # read it into the cache format the next turn uses
@@ -497,11 +531,17 @@ class EngineWorker(QObject):
             doc.path = str(path) if path else None
         except Exception as exc:
             log.info("document %s refused: %s", path, exc)
-            self.documentFailed.emit(DocumentFailed(conv, key, Failure.of(exc)))
+            needs_ctx, can_retrieve = 0, False
+            if isinstance(exc, DocumentError) and text is not None and self.session is not None \
+                    and self.engine is not None and not any(d.text == text for d in self.session.documents):
+                # it was read but does not fit: the ways to make it fit
+                n_tokens = len(self.engine.tokenizer.encode(text))
+                needs_ctx = self._whole_ctx(n_tokens)
+                can_retrieve = self.session.doc_mode == "whole"
+            self.documentFailed.emit(DocumentFailed(conv, key, Failure.of(exc), needs_ctx, can_retrieve))
             return
         self._publish_kv()
-        info = DocumentInfo(key=key, name=doc.name, path=doc.path, n_tokens=doc.n_tokens,
-                            pinned=doc.pinned, cached=doc.cached)
+        info = self._document_info(doc)
         self.documentAdded.emit(DocumentAdded(conv, info, doc.text))
         self.documentsChanged.emit(self._documents(conv))
 
@@ -519,6 +559,31 @@ class EngineWorker(QObject):
             self.documentFailed.emit(DocumentFailed(conv, key, Failure.of(exc)))
         else:
             self.documentPinned.emit(DocumentPinned(conv, key, request.pinned))
+        self._publish_kv()
+        self.documentsChanged.emit(self._documents(conv))
+
+    def set_doc_mode(self, request: SetDocMode) -> None:
+        """The conversation's document mode (after the current settings, e.g. a raised
+        context, are applied); the pinned documents are read as it says, with their progress."""
+        conv = request.conv
+        try:
+            self._check_conv(conv)
+            self._apply_settings()
+            keys = [d.id for d in self.session.documents if d.pinned]
+
+            def progress(done: int, total: int) -> None:
+                for key in keys:
+                    self.documentProgress.emit(conv, key, int(done), int(total))
+
+            self.session.set_doc_mode(request.mode, progress=progress, cancel=self.abort)
+            self._prepare_pinned(conv)
+        except Exception as exc:
+            log.info("document mode %s refused: %s", request.mode, exc)
+            self.error.emit(Failure.of(exc))
+        else:
+            for d in self.session.documents:
+                if d.pinned:
+                    self.documentPinned.emit(DocumentPinned(conv, d.id, True))
         self._publish_kv()
         self.documentsChanged.emit(self._documents(conv))
 

@@ -1,0 +1,152 @@
+"""Reading documents: plain text (.txt, .md and other UTF-8 text) and PDF, with a specific
+DocumentError for each kind of file that cannot be used.
+
+Memory stays bounded while reading: the size is checked before anything is read (a file larger
+than MAX_DOCUMENT_BYTES is refused without being opened for reading), text is decoded in blocks
+of READ_BLOCK bytes that are checked as they come (a NUL byte or invalid UTF-8 stops the read at
+that block), and only a file that passes is joined into the one string the session keeps.
+
+A PDF's pages are joined by a blank line with a form feed where each page starts (see
+:func:`join_pages`), so retrieval can name pages; :func:`plain_text` removes the marks, which
+leaves the pages joined by a blank line (the text a whole document is rendered with).
+"""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+
+from .errors import DocumentError
+
+MiB = 1 << 20
+MAX_DOCUMENT_BYTES = 64 * MiB  # a plain-text file (UTF-8) or a PDF, on disk
+MAX_PDF_TEXT_CHARS = 64 * MiB  # text extracted from a PDF (a small file can hold a lot of text)
+READ_BLOCK = 1 * MiB
+BINARY_PROBE_BYTES = 64 * 1024
+PAGE_BREAK = "\f"
+
+
+def _size_text(n: int) -> str:
+    return f"{n / MiB:,.0f} MB" if n >= MiB else f"{n / 1024:,.0f} KB"
+
+
+def read_document(path: str | Path) -> str:
+    """The text of a .txt / .md (or other plain text) or .pdf file (a PDF's pages joined by
+    :func:`join_pages`).
+
+    Raises:
+        DocumentError: missing or unreadable, empty, larger than MAX_DOCUMENT_BYTES, binary,
+            not UTF-8 text, or a PDF that cannot be parsed or has no text layer.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise DocumentError(f"{path.name} is a folder, not a document")
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise DocumentError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    if size == 0:
+        raise DocumentError(f"{path.name} is empty (0 bytes)")
+    if size > MAX_DOCUMENT_BYTES:
+        raise DocumentError(
+            f"{path.name} is {_size_text(size)}; documents up to {_size_text(MAX_DOCUMENT_BYTES)} can "
+            "be read (split it into smaller files)"
+        )
+    if path.suffix.lower() == ".pdf" or head.startswith(b"%PDF-"):
+        return _pdf_text(path)
+    return _plain_text(path)
+
+
+def _plain_text(path: Path) -> str:
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    parts: list[str] = []
+    offset = 0
+    try:
+        with path.open("rb") as f:
+            while True:
+                block = f.read(READ_BLOCK)
+                final = not block
+                if offset < BINARY_PROBE_BYTES and b"\x00" in block[:BINARY_PROBE_BYTES - offset]:
+                    raise DocumentError(
+                        f"{path.name} looks like a binary file, not a document (use .txt, .md or .pdf)")
+                if b"\x00" in block:
+                    at = offset + block.index(b"\x00")
+                    raise DocumentError(
+                        f"{path.name} has binary data (a NUL byte) after {_size_text(at)} of "
+                        "text: it is not a plain-text document")
+                try:
+                    parts.append(decoder.decode(block, final=final))
+                except UnicodeDecodeError as exc:
+                    raise DocumentError(
+                        f"{path.name} is not UTF-8 text (byte {offset + exc.start}): save it as UTF-8, "
+                        "or use .txt, .md or .pdf") from None
+                if final:
+                    break
+                offset += len(block)
+    except OSError as exc:
+        raise DocumentError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    text = "".join(parts)
+    del parts
+    if not text.strip():
+        raise DocumentError(f"{path.name} is empty (it holds only blank space)")
+    # a form feed in a text file is not a page mark of ours: PDF pages are the only pages
+    return text.replace("\r\n", "\n").replace(PAGE_BREAK, "\n")
+
+
+def _pdf_text(path: Path) -> str:
+    try:
+        from pypdf import PdfReader
+        from pypdf.errors import PdfReadError
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise DocumentError("reading PDF files needs the 'pypdf' package") from None
+    pages: list[str] = []
+    chars = 0
+    try:
+        with path.open("rb") as f:
+            reader = PdfReader(f)
+            n_pages = len(reader.pages)
+            for page in reader.pages:
+                text = (page.extract_text() or "").replace(PAGE_BREAK, "\n").strip()
+                chars += len(text)
+                if chars > MAX_PDF_TEXT_CHARS:
+                    raise DocumentError(
+                        f"{path.name} holds more than {_size_text(MAX_PDF_TEXT_CHARS)} of text; "
+                        "split it into smaller files")
+                pages.append(text)
+    except DocumentError:
+        raise
+    except OSError as exc:
+        raise DocumentError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise DocumentError(f"{path.name} is not a readable PDF ({exc})") from None
+    if not any(pages):
+        raise DocumentError(
+            f"{path.name} has no text layer ({n_pages} page{'s' if n_pages != 1 else ''} of images, "
+            "e.g. a scan): run OCR on it first, or paste its text into a .txt file")
+    return join_pages(pages)
+
+
+def join_pages(pages: list[str]) -> str:
+    """Pages' texts as one document: non-empty pages joined by a blank line, with one form feed
+    per page started before each (so the number of form feeds before a character is its page
+    number minus one, pages without text included); without the form feeds this is exactly the
+    non-empty pages joined by "\n\n"."""
+    out: list[str] = []
+    breaks = 0
+    for number, page in enumerate(pages):
+        if number:
+            breaks += 1
+        if page:
+            out.append(("\n\n" if out else "") + PAGE_BREAK * breaks + page)
+            breaks = 0
+    return "".join(out)
+
+
+def plain_text(text: str) -> str:
+    """The text as a whole document is rendered: without the page marks."""
+    return text.replace(PAGE_BREAK, "")
+
+
+__all__ = ["read_document", "plain_text", "DocumentError", "MAX_DOCUMENT_BYTES", "PAGE_BREAK", "join_pages"]

@@ -1,0 +1,442 @@
+"""Retrieval for documents longer than the context: chunks, a BM25 index saved with them, and
+the sections a question gets.
+
+A document is cut into *units* along its structure: paragraphs (runs of non-blank lines) of a
+text file, paragraphs within each page of a PDF (pages are marked by form feeds, see
+engine.documents.join_pages). A unit longer than a quarter of a chunk is cut into runs of lines,
+and a line longer than that into runs of words, so any unit fits in a chunk. Units are packed in
+order into *chunks* of up to ``chunk_tokens`` tokens; a chunk starts with the trailing units of
+the one before, up to ``overlap_tokens``, so a fact cut by a chunk border is whole in one of them.
+Every unit knows its location: its first and last line (text) or page (PDF), 1-based.
+
+The index (units, chunks and the bm25s index over the chunks' words) is saved in the cache
+folder under the document's sha256, the model's fingerprint (token counts are the model's) and
+the chunking parameters, so opening the document again, in this process or a later one, loads it.
+
+Per question, :meth:`DocumentIndex.rank` scores every chunk; the caller fills its token budget
+best first (:func:`select_sections`), then the chosen chunks are merged into sections: runs of
+consecutive units, in document order, each rendered once with its location
+(:func:`render_sections`). The same chunks give the same text, so a question that selects the
+same sections renders the same prompt prefix and reuses its KV blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from .documents import PAGE_BREAK
+from .errors import DocumentError
+
+log = logging.getLogger("omlx.retrieval")
+
+CHUNK_TOKENS = 320
+OVERLAP_TOKENS = 64
+INDEX_FORMAT = 1
+SECTION_OVERHEAD_TOKENS = 12  # a section's "[lines 120-161]" label and the blank lines around it
+
+_WORD = re.compile(r"\w\w+|\d+", re.UNICODE)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A paragraph (or a piece of a long one): lines ``start``..``end`` of a text, or pages
+    ``start``..``end`` of a PDF. ``paragraph`` numbers the paragraph it belongs to (pieces of
+    one paragraph are joined by a newline, paragraphs by a blank line)."""
+
+    start: int
+    end: int
+    paragraph: int
+    text: str
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Units ``first``..``last`` (indices into the index's units)."""
+
+    first: int
+    last: int
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class Section:
+    """A run of consecutive units of one document the model is shown, with the best score of
+    the chunks it came from."""
+
+    document: str
+    unit: str  # "lines" or "pages"
+    start: int
+    end: int
+    text: str
+    n_tokens: int
+    score: float
+
+    @property
+    def label(self) -> str:
+        word = "line" if self.unit == "lines" else "page"
+        if self.start == self.end:
+            return f"{word} {self.start}"
+        return f"{word}s {self.start}-{self.end}"
+
+    def as_dict(self) -> dict:
+        return {"document": self.document, "unit": self.unit, "start": self.start, "end": self.end,
+                "tokens": self.n_tokens, "score": round(float(self.score), 4), "label": self.label}
+
+
+def words(text: str) -> list[str]:
+    """The words BM25 counts: lower-cased runs of letters/digits (two characters at least, or
+    any number), English stop words left out, a plural "s" taken off."""
+    from bm25s.stopwords import STOPWORDS_EN
+
+    out = []
+    for w in _WORD.findall(text.lower()):
+        if w in STOPWORDS_EN:
+            continue
+        if len(w) > 3 and w.endswith("s") and not w.endswith("ss"):
+            w = w[:-1]
+        out.append(w)
+    return out
+
+
+# -- units and chunks -------------------------------------------------------------------------
+def _paragraphs(text: str) -> Iterator[list[tuple[int, str]]]:
+    """[(location, line)] per paragraph (a run of non-blank lines); the location is the line
+    number, or the page number when the text has page marks."""
+    paged = PAGE_BREAK in text
+    page, line_no = 1, 0
+    current: list[tuple[int, str]] = []
+    for line in text.split("\n"):
+        line_no += 1
+        if paged and PAGE_BREAK in line:
+            if current:
+                yield current
+                current = []
+            page += line.count(PAGE_BREAK)
+            line = line.replace(PAGE_BREAK, "")
+        loc = page if paged else line_no
+        if line.strip():
+            current.append((loc, line.rstrip()))
+        elif current:
+            yield current
+            current = []
+    if current:
+        yield current
+
+
+def _pieces(lines: list[tuple[int, str]], count: Callable[[str], int], limit: int
+            ) -> Iterator[tuple[int, int, str, int]]:
+    """A paragraph's lines as (start, end, text, tokens) pieces of at most ``limit`` tokens
+    (one piece when the paragraph fits)."""
+    text = "\n".join(line for _, line in lines)
+    n = count(text)
+    if n <= limit:
+        yield lines[0][0], lines[-1][0], text, n
+        return
+    run: list[tuple[int, str]] = []
+    run_tokens = 0  # the lines' counts and one per joining newline: what their text counts, about
+
+    def piece() -> tuple[int, int, str, int]:
+        joined = "\n".join(t for _, t in run)
+        return run[0][0], run[-1][0], joined, count(joined)
+
+    for loc, line in lines:
+        n_line = count(line)
+        if n_line > limit:  # one line longer than a piece: cut it into runs of words
+            if run:
+                yield piece()
+                run, run_tokens = [], 0
+            yield from _word_pieces(loc, line, count, limit)
+            continue
+        if run and run_tokens + 1 + n_line > limit:
+            yield piece()
+            run, run_tokens = [], 0
+        run_tokens += n_line + (1 if run else 0)
+        run.append((loc, line))
+    if run:
+        yield piece()
+
+
+def _word_pieces(loc: int, line: str, count: Callable[[str], int], limit: int
+                 ) -> Iterator[tuple[int, int, str, int]]:
+    """A line longer than ``limit`` tokens as runs of words of at most ``limit`` (a run that
+    still counts more, words of uneven length, is halved until it fits; a single word is
+    kept whatever it counts)."""
+    tokens = line.split(" ")
+    step = max(1, len(tokens) * limit // max(count(line), 1))
+    pending = [tokens[i:i + step] for i in range(0, len(tokens), step)]
+    while pending:
+        run = pending.pop(0)
+        text = " ".join(run)
+        n = count(text)
+        if n > limit and len(run) > 1:
+            half = len(run) // 2
+            pending[:0] = [run[:half], run[half:]]
+            continue
+        if text.strip():
+            yield loc, loc, text, n
+
+
+def split_units(text: str, count: Callable[[str], int], *, piece_tokens: int,
+                cancel: threading.Event | None = None,
+                progress: Callable[[int, int], None] | None = None) -> list[Unit]:
+    """The document's units (see the module's docstring)."""
+    units: list[Unit] = []
+    total = max(len(text), 1)
+    done = 0
+    for number, lines in enumerate(_paragraphs(text)):
+        if cancel is not None and cancel.is_set():
+            raise DocumentError("reading the document was cancelled")
+        for start, end, piece, n in _pieces(lines, count, piece_tokens):
+            units.append(Unit(start, end, number, piece, n))
+        done += sum(len(line) + 1 for _, line in lines)
+        if progress is not None and number % 64 == 0:
+            progress(min(done, total), total)
+    return units
+
+
+def pack_chunks(units: Sequence[Unit], *, chunk_tokens: int, overlap_tokens: int) -> list[Chunk]:
+    """Units packed in order into chunks of at most ``chunk_tokens`` (a unit is never larger
+    than that), each starting with the previous chunk's trailing units up to ``overlap_tokens``."""
+    chunks: list[Chunk] = []
+    first, tokens = 0, 0
+    for i, u in enumerate(units):
+        if i > first and tokens + u.n_tokens > chunk_tokens:
+            chunks.append(Chunk(first, i - 1, tokens))
+            carry, carried = i, 0
+            while carry - 1 > first and carried + units[carry - 1].n_tokens <= overlap_tokens:
+                carry -= 1
+                carried += units[carry].n_tokens
+            first, tokens = carry, carried
+        tokens += u.n_tokens
+    if units:
+        chunks.append(Chunk(first, len(units) - 1, tokens))
+    return chunks
+
+
+# -- the index --------------------------------------------------------------------------------
+def index_dir() -> Path:
+    from .kv.prefix import cache_dir
+
+    return cache_dir() / "retrieval"
+
+
+def index_key(text: str, model_id: str, chunk_tokens: int, overlap_tokens: int) -> str:
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{digest[:32]}-{model_id[:16]}-{chunk_tokens}-{overlap_tokens}-v{INDEX_FORMAT}"
+
+
+class DocumentIndex:
+    """A document's units and chunks with a BM25 index over the chunks.
+
+    Attributes:
+        unit: "lines" (a text file) or "pages" (a PDF).
+        units, chunks: see the module's docstring.
+        path: the folder it is saved in (None: not saved).
+    """
+
+    def __init__(self, unit: str, units: list[Unit], chunks: list[Chunk], bm25,
+                 path: Path | None = None):
+        self.unit = unit
+        self.units = units
+        self.chunks = chunks
+        self.bm25 = bm25
+        self.path = path
+        self.loaded = False  # True when it came from disk instead of being built
+
+    @classmethod
+    def build(cls, text: str, count: Callable[[str], int], *, chunk_tokens: int = CHUNK_TOKENS,
+              overlap_tokens: int = OVERLAP_TOKENS, cancel: threading.Event | None = None,
+              progress: Callable[[int, int], None] | None = None) -> "DocumentIndex":
+        """Cut ``text`` into units and chunks (token counts by ``count``) and index them."""
+        import bm25s
+
+        units = split_units(text, count, piece_tokens=max(chunk_tokens // 4, 16), cancel=cancel,
+                            progress=progress)
+        if not units:
+            raise DocumentError("the document has no text to index")
+        chunks = pack_chunks(units, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+        corpus = [words(" ".join(units[j].text for j in range(c.first, c.last + 1))) for c in chunks]
+        # a chunk without a countable word still needs a row in the index
+        corpus = [w or ["_"] for w in corpus]
+        bm25 = bm25s.BM25()
+        bm25.index(corpus, show_progress=False)
+        unit = "pages" if PAGE_BREAK in text else "lines"
+        return cls(unit, units, chunks, bm25)
+
+    @classmethod
+    def open(cls, text: str, count: Callable[[str], int], model_id: str, *,
+             chunk_tokens: int = CHUNK_TOKENS, overlap_tokens: int = OVERLAP_TOKENS,
+             directory: str | os.PathLike | None = None, cancel: threading.Event | None = None,
+             progress: Callable[[int, int], None] | None = None) -> "DocumentIndex":
+        """The saved index for this text and model if there is one that loads, else a new one,
+        built and saved."""
+        folder = Path(directory) if directory is not None else index_dir()
+        path = folder / index_key(text, model_id, chunk_tokens, overlap_tokens)
+        if path.is_dir():
+            try:
+                index = cls.load(path)
+                index.loaded = True
+                return index
+            except Exception as exc:  # a damaged or partial folder: build it again
+                log.warning("the saved retrieval index %s cannot be read (%s): building it again",
+                            path, exc)
+        index = cls.build(text, count, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens,
+                          cancel=cancel, progress=progress)
+        try:
+            index.save(path)
+        except OSError as exc:
+            log.warning("cannot save the retrieval index in %s: %s", path, exc)
+        return index
+
+    def save(self, path: Path) -> None:
+        """Written to a temporary folder next to ``path``, then renamed (a reader never sees a
+        partial index)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+        try:
+            meta = {
+                "format": INDEX_FORMAT, "unit": self.unit,
+                "units": [[u.start, u.end, u.paragraph, u.n_tokens, u.text] for u in self.units],
+                "chunks": [[c.first, c.last, c.n_tokens] for c in self.chunks],
+            }
+            (tmp / "chunks.json").write_text(json.dumps(meta, ensure_ascii=False))
+            self.bm25.save(str(tmp / "bm25"), show_progress=False)
+            try:
+                tmp.rename(path)
+            except OSError:  # another process saved it first
+                if not path.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.path = path
+
+    @classmethod
+    def load(cls, path: Path) -> "DocumentIndex":
+        import bm25s
+
+        meta = json.loads((Path(path) / "chunks.json").read_text())
+        if meta.get("format") != INDEX_FORMAT:
+            raise ValueError(f"index format {meta.get('format')}, expected {INDEX_FORMAT}")
+        units = [Unit(int(s), int(e), int(p), str(t), int(n)) for s, e, p, n, t in meta["units"]]
+        chunks = [Chunk(int(f), int(l), int(n)) for f, l, n in meta["chunks"]]
+        bm25 = bm25s.BM25.load(str(Path(path) / "bm25"), show_progress=False)
+        if any(c.last >= len(units) for c in chunks):
+            raise ValueError("a chunk past the last unit")
+        return cls(meta["unit"], units, chunks, bm25, Path(path))
+
+    # -- questions ------------------------------------------------------------------------
+    def scores(self, query: str) -> np.ndarray:
+        """BM25 score of every chunk for ``query`` (zeros when none of its words occurs)."""
+        vocab = self.bm25.vocab_dict
+        terms = [w for w in words(query) if w in vocab]
+        if not terms:
+            return np.zeros(len(self.chunks), dtype=np.float32)
+        return np.asarray(self.bm25.get_scores(terms), dtype=np.float32)
+
+    def chunk_text(self, chunk: Chunk) -> str:
+        return _join_units(self.units[chunk.first:chunk.last + 1])
+
+
+def _join_units(units: Sequence[Unit]) -> str:
+    parts: list[str] = []
+    for i, u in enumerate(units):
+        if i:
+            parts.append("\n" if u.paragraph == units[i - 1].paragraph else "\n\n")
+        parts.append(u.text)
+    return "".join(parts)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A chunk of one of the documents being asked about."""
+
+    document: str
+    index: DocumentIndex
+    chunk: int
+    score: float
+
+    @property
+    def n_tokens(self) -> int:
+        return self.index.chunks[self.chunk].n_tokens
+
+
+def rank(question: str, documents: Iterable[tuple[str, DocumentIndex]]) -> list[Candidate]:
+    """Every chunk of the documents, best first: those sharing words with the question by BM25
+    score (ties in document order), then the rest in document order (a question without a
+    matching word, "summarize this", is shown the beginning)."""
+    matched: list[Candidate] = []
+    rest: list[Candidate] = []
+    for order, (name, index) in enumerate(documents):
+        scores = index.scores(question)
+        for i, s in enumerate(scores):
+            (matched if s > 0 else rest).append(Candidate(name, index, i, float(s)))
+    matched.sort(key=lambda c: -c.score)  # stable: ties keep document order
+    return matched + rest
+
+
+def select(candidates: Sequence[Candidate], budget_tokens: int) -> list[Candidate]:
+    """The best candidates whose tokens (with a section label each) fit ``budget_tokens``."""
+    chosen: list[Candidate] = []
+    used = 0
+    for c in candidates:
+        cost = c.n_tokens + SECTION_OVERHEAD_TOKENS
+        if used + cost <= budget_tokens:
+            chosen.append(c)
+            used += cost
+    return chosen
+
+
+def sections(chosen: Iterable[Candidate], count: Callable[[str], int] | None = None) -> list[Section]:
+    """The chosen chunks as sections: per document (in the order first seen), the union of their
+    units cut into runs of consecutive units, in document order; each section's score is the
+    best of the chunks that cover it. ``count`` gives the sections' token counts (default: the
+    sum of their units')."""
+    by_doc: dict[str, tuple[DocumentIndex, dict[int, float]]] = {}
+    for c in chosen:
+        index, unit_scores = by_doc.setdefault(c.document, (c.index, {}))
+        chunk = index.chunks[c.chunk]
+        for j in range(chunk.first, chunk.last + 1):
+            unit_scores[j] = max(unit_scores.get(j, float("-inf")), c.score)
+    out: list[Section] = []
+    for name, (index, unit_scores) in by_doc.items():
+        order = sorted(unit_scores)
+        runs: list[list[int]] = []
+        for j in order:
+            if runs and j == runs[-1][-1] + 1:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        for run in runs:
+            units = index.units[run[0]:run[-1] + 1]
+            text = _join_units(units)
+            n = count(text) if count is not None else sum(u.n_tokens for u in units)
+            out.append(Section(name, index.unit, units[0].start, units[-1].end, text, n,
+                               max(unit_scores[j] for j in run)))
+    return out
+
+
+def render_sections(document: str, found: Sequence[Section]) -> str:
+    """The text the model is shown for one document's sections (deterministic: the same
+    sections give the same text)."""
+    parts = [f"Document: {document} (the sections relevant to the question)"]
+    for s in found:
+        parts.append(f"[{s.label}]\n{s.text}")
+    return "\n\n".join(parts)
+
+
+__all__ = ["Unit", "Chunk", "Section", "Candidate", "DocumentIndex", "rank", "select", "sections",
+           "render_sections", "words", "split_units", "pack_chunks", "CHUNK_TOKENS",
+           "OVERLAP_TOKENS", "SECTION_OVERHEAD_TOKENS"]
