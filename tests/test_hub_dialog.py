@@ -250,7 +250,10 @@ def test_a_model_that_does_not_fit_asks_before_loading(window, files, monkeypatc
     assert len(asked) == 2 and window.model_info["path"] == str(files["smol"]), window.errors
     assert window.model_info["fit_verdict"] == fit.DOES_NOT_FIT
 
-    # "tight": loads without asking, with a warning in the banner
+    # "tight": loads without asking, with a warning in the banner (at the panel's context now:
+    # a loaded model sets it to the model's default, capped by the memory there was)
+    settings = window.kv_panel.settings()
+    needed = fit.estimate_file(files["smol"], settings["ctx"], settings["spec"], available=1).total_bytes
     monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, str(int(needed / 0.9)))
     loaded = []
     window.modelLoaded.connect(loaded.append)
