@@ -315,8 +315,10 @@ def test_disconnecting_clients_leave_kv_in_use_at_its_baseline(tiny):
 
 
 def test_a_request_waits_for_kv_budget_then_gets_429_and_the_running_one_finishes(tiny_path):
-    # one sequence's worth of KV: while the first request holds it, the second cannot start
-    thread = start(tiny_path, max_batch=4, kv_tokens=TINY_CTX, queue_timeout=0.5)
+    # one sequence's worth of KV: while the first request holds it, the second cannot start. The
+    # wait is short (50 ms) because the tiny model can finish the first request's 472 tokens in
+    # well under a second on an idle machine, which would free the budget before the wait ends.
+    thread = start(tiny_path, max_batch=4, kv_tokens=TINY_CTX, queue_timeout=0.05)
     try:
         c = client(thread)
         long_stream = chat(c, "go on", max_tokens=TINY_CTX - 40, stream=True)
