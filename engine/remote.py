@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from .engine import Generation, GenerationResult, GenerationStats, StreamChunk
 from .errors import DocumentError, EngineError, SettingsError
+from .session import MessageLog
 
 log = logging.getLogger("omlx.remote")
 
@@ -162,8 +163,9 @@ class RemoteDocument:
     index: None = None
 
 
-class RemoteSession:
-    """A conversation answered by a :class:`RemoteEndpoint` (see the module docstring)."""
+class RemoteSession(MessageLog):
+    """A conversation answered by a :class:`RemoteEndpoint` (see the module docstring); its
+    messages are kept as the local Session keeps them (:class:`~engine.session.MessageLog`)."""
 
     def __init__(self, endpoint: RemoteEndpoint, *, system_prompt: str | None = None,
                  ctx: int | None = None, overflow: str = "rolling", doc_mode: str = "auto"):
@@ -242,29 +244,11 @@ class RemoteSession:
 
     def _system_content(self) -> str | None:
         # The same wording as the local session's, so a document reads the same to either model.
-        docs = [d for d in self.documents if d.pinned]
-        parts = [self.system_prompt] if self.system_prompt else []
-        if docs:
-            parts.append("Answer using these documents.")
-            parts.extend(f"Document: {d.name}\n\n{d.text.strip()}" for d in docs)
-        return "\n\n".join(parts) if parts else None
+        from .session import system_content
+
+        return system_content(self.system_prompt, [d for d in self.documents if d.pinned])
 
     # -- conversation ---------------------------------------------------------------------
-    def load_messages(self, messages: Sequence[dict]) -> None:
-        loaded = []
-        for i, m in enumerate(messages):
-            if m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
-                raise EngineError(f"message {i} needs a role 'user' or 'assistant' and text content")
-            loaded.append({"role": m["role"], "content": m["content"]})
-        self.messages = loaded
-
-    def keep_unanswered(self, text: str) -> None:
-        while self.messages and self.messages[-1]["role"] == "assistant" \
-                and self.messages[-1].get("interrupted"):
-            self.messages.pop()
-        if not self.messages or self.messages[-1] != {"role": "user", "content": text}:
-            self.messages.append({"role": "user", "content": text})
-
     def send(self, text: str, **options) -> Generation:
         if not text.strip():
             raise EngineError("the message is empty")

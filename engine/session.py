@@ -64,7 +64,55 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-class Session:
+def system_content(system_prompt: str | None, documents: Sequence, sections: Sequence = ()) -> str | None:
+    """The system turn every source renders the same way: the system prompt, each whole document
+    (``.name``, ``.text``), then retrieved ``sections`` (engine.retrieval.Section) grouped per
+    document in the order they come; None when there is nothing."""
+    from .retrieval import render_sections
+
+    parts = [system_prompt] if system_prompt else []
+    if documents or sections:
+        parts.append("Answer using these documents.")
+        for d in documents:
+            parts.append(f"Document: {d.name}\n\n{plain_text(d.text).strip()}")
+        names = list(dict.fromkeys(s.document for s in sections))
+        for name in names:
+            parts.append(render_sections(name, [s for s in sections if s.document == name]))
+    return "\n\n".join(parts) if parts else None
+
+
+class MessageLog:
+    """The conversation's messages (``self.messages``: {"role", "content"[, "interrupted"]}) as a
+    local Session and a remote one keep them."""
+
+    messages: list[dict]
+
+    def load_messages(self, messages: Sequence[dict]) -> None:
+        """Replace the conversation with `messages` ({"role": "user" | "assistant", "content"}),
+        e.g. a conversation restored from the app's database; the documents stay.
+
+        Raises:
+            EngineError: a message without a user/assistant role or text content.
+        """
+        loaded = []
+        for i, m in enumerate(messages):
+            if m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
+                raise EngineError(f"message {i} needs a role 'user' or 'assistant' and text content")
+            loaded.append({"role": m["role"], "content": m["content"]})
+        self.messages = loaded
+
+    def keep_unanswered(self, text: str) -> None:
+        """After a failed turn: the conversation ends with the user message `text`, unanswered
+        (an interrupted answer recorded after it is dropped; the message is added back if the
+        failure came before it was recorded)."""
+        while self.messages and self.messages[-1]["role"] == "assistant" \
+                and self.messages[-1].get("interrupted"):
+            self.messages.pop()
+        if not self.messages or self.messages[-1] != {"role": "user", "content": text}:
+            self.messages.append({"role": "user", "content": text})
+
+
+class Session(MessageLog):
     """A conversation with pinned documents.
 
     Args:
@@ -179,21 +227,10 @@ class Session:
     # -- documents ------------------------------------------------------------------------
     def _system_content(self, documents: Sequence[Document] | None = None,
                         sections: Sequence = ()) -> str | None:
-        """The system turn: the system prompt, the whole documents (``documents``, all taken
-        whole; default: the pinned ones the plan reads whole), then retrieved ``sections``
-        (engine.retrieval.Section) grouped per document in the order they come."""
-        from .retrieval import render_sections
-
+        """The system turn (see :func:`system_content`): whole ``documents`` (default: the pinned
+        ones the plan reads whole), then retrieved ``sections``."""
         docs = [d for d in (self._whole_documents() if documents is None else documents) if d.pinned]
-        parts = [self.system_prompt] if self.system_prompt else []
-        if docs or sections:
-            parts.append("Answer using these documents.")
-            for d in docs:
-                parts.append(f"Document: {d.name}\n\n{plain_text(d.text).strip()}")
-            names = list(dict.fromkeys(s.document for s in sections))
-            for name in names:
-                parts.append(render_sections(name, [s for s in sections if s.document == name]))
-        return "\n\n".join(parts) if parts else None
+        return system_content(self.system_prompt, docs, sections)
 
     def render(self, conversation: Sequence[dict], documents: Sequence[Document] | None = None,
                add_generation_prompt: bool = True, sections: Sequence = ()) -> tuple[list[int], int]:
@@ -605,30 +642,6 @@ class Session:
             raise EngineError(f"message {index} is not a user message")
         del self.messages[index:]
         return self.send(text, **options)
-
-    def load_messages(self, messages: Sequence[dict]) -> None:
-        """Replace the conversation with `messages` ({"role": "user" | "assistant", "content"}),
-        e.g. a conversation restored from the app's database; the documents stay.
-
-        Raises:
-            EngineError: a message without a user/assistant role or text content.
-        """
-        loaded = []
-        for i, m in enumerate(messages):
-            if m.get("role") not in ("user", "assistant") or not isinstance(m.get("content"), str):
-                raise EngineError(f"message {i} needs a role 'user' or 'assistant' and text content")
-            loaded.append({"role": m["role"], "content": m["content"]})
-        self.messages = loaded
-
-    def keep_unanswered(self, text: str) -> None:
-        """After a failed turn: the conversation ends with the user message `text`, unanswered
-        (an interrupted answer recorded after it is dropped; the message is added back if the
-        failure came before it was recorded)."""
-        while self.messages and self.messages[-1]["role"] == "assistant" \
-                and self.messages[-1].get("interrupted"):
-            self.messages.pop()
-        if not self.messages or self.messages[-1] != {"role": "user", "content": text}:
-            self.messages.append({"role": "user", "content": text})
 
     def _conversation(self) -> list[dict]:
         return [{"role": m["role"], "content": m["content"]} for m in self.messages]
