@@ -197,11 +197,7 @@ class EngineWorker(QObject):
             log.info("loading %s failed: %s", request.spec, exc)
             self.loadFailed.emit(Failure.of(exc))
             return
-        self._close_session()
-        self._drop_remote()
-        self.engine = engine
-        self.conv = None
-        self.kv.publish(0, 0)
+        self._use_source(engine=engine)
         info = self._model_info()
         if estimate is not None:
             info = replace(info, fit_verdict=estimate.verdict, fit_summary=estimate.summary())
@@ -234,16 +230,21 @@ class EngineWorker(QObject):
             log.info("connecting to %s failed: %s", request.base_url, exc)
             self.loadFailed.emit(Failure.of(exc))
             return
-        self._close_session()
-        self._drop_remote()
-        self.engine = None          # frees the local model's weights and KV pools
-        self.remote = endpoint
-        self.conv = None
-        self.kv.publish(0, 0)
+        self._use_source(remote=endpoint)   # frees the local model's weights and KV pools
         self.loaded.emit(ModelInfo(
             name=endpoint.name, path=endpoint.base_url, file_size=0, architecture="remote",
             context_length=0, kv_spec="", kv_bytes_per_token=0.0, kv_bytes_per_token_16=0.0,
             has_chat_template=True, remote=True))
+
+    def _use_source(self, *, engine=None, remote=None) -> None:
+        """Answers from now on with a local ``engine`` or a ``remote`` endpoint (one of them): the
+        open session and the other source are let go; no conversation is open until the window
+        opens one again."""
+        self._close_session()
+        self._drop_remote()
+        self.engine, self.remote = engine, remote
+        self.conv = None
+        self.kv.publish(0, 0)
 
     def _drop_remote(self) -> None:
         if self.remote is not None:
