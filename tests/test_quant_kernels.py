@@ -138,6 +138,20 @@ def test_matvec_equals_dense_product(qtype, kind, T):
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_batched_rows_equal_single_rows_bit_for_bit(qtype):
+    """A batch's rows go through the multi-row kernels (4 and 2 rows per decode of a block, then
+    one): each result is the same float32 as that row's own matvec, so a sequence's logits do not
+    depend on the batch it is decoded in."""
+    raw = make(qtype, "random", 45, 768, seed=21)
+    x = np.random.default_rng(22).standard_normal((8, 768)).astype(np.float32)
+    alone = np.concatenate([qm.matvec(qtype, raw, x[t:t + 1]) for t in range(8)])
+    assert_product_close(alone, x, reference(raw, qtype))
+    for T in range(2, 9):
+        np.testing.assert_array_equal(qm.matvec(qtype, raw, x[:T]).view(np.uint32), alone[:T].view(np.uint32),
+                                      err_msg=f"{T} rows")
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_prefill_tiles_equal_dense_product(qtype):
     rows, cols, T = 40, 512, 37
     raw = make(qtype, "random", rows, cols, seed=5)
