@@ -95,6 +95,37 @@ class DenseLinear:
 _tiles = threading.local()
 
 
+_helper_lock = threading.Lock()
+_helper: "concurrent.futures.ThreadPoolExecutor | None" = None
+_helper_made = False
+
+
+def _dequantize_helper():
+    """One worker thread that dequantizes the second half of large prefill tiles; None when the
+    weight kernels use one thread (OMLX_KERNEL_THREADS=1, or one CPU)."""
+    global _helper, _helper_made
+    if not _helper_made:
+        with _helper_lock:
+            if not _helper_made:
+                import concurrent.futures
+
+                from .kernels.quant_matvec import kernel_threads
+
+                if kernel_threads() > 1:
+                    _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omlx-dequantize")
+                _helper_made = True
+    return _helper
+
+
+def _forget_helper_in_child() -> None:  # a forked child has no helper thread: make a new one
+    global _helper, _helper_made, _helper_lock
+    _helper, _helper_made, _helper_lock = None, False, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helper_in_child)
+
+
 def _tile_buffer(n_values: int) -> np.ndarray:
     buf = getattr(_tiles, "buf", None)
     if buf is None or buf.size < n_values:
@@ -110,10 +141,11 @@ class QuantLinear:
     the kernels multiply exactly the dequantized values.
     """
 
-    # x with at most this many rows goes to the fused matvec kernels (a pass over the blocks per
-    # row of x); more rows to dequantized tiles and BLAS. The crossover where the GEMM path
-    # becomes the faster one lies between 6 and 8 rows on SmolLM2's layers.
-    MATVEC_MAX_ROWS = 6
+    # x with at most this many rows goes to the fused matvec kernels (each block decoded once for
+    # up to 4 rows of x, `quant_matvec`); more rows to dequantized tiles and BLAS. A decode batch
+    # of up to 8 sequences (`omlx serve --max-batch 8`) is then one forward pass whose rows are
+    # each computed exactly as alone; the GEMM path becomes the faster one at about this size.
+    MATVEC_MAX_ROWS = 8
     # float32 values per dequantized tile (rows = TILE_VALUES // in_features, at least 16):
     # 2**22 values = 16 MiB (one buffer per thread), so that a small model's matrices are one tile
     # and one BLAS call each, as dense weights are: more, smaller calls are slower (each
@@ -159,15 +191,34 @@ class QuantLinear:
         buf = _tile_buffer(rows * self.in_features)
         if rows == n:  # one tile: no copy into y
             tile = buf[: n * self.in_features].reshape(n, self.in_features)
-            self._k.dequantize_rows(self.ggml_type, self.raw, np.arange(n), tile)
+            self._dequantize(0, n, tile)
             return x @ tile.T
         y = np.empty((T, n), dtype=np.float32)
         for start in range(0, n, rows):
             stop = min(start + rows, n)
             tile = buf[: (stop - start) * self.in_features].reshape(stop - start, self.in_features)
-            self._k.dequantize_rows(self.ggml_type, self.raw, np.arange(start, stop), tile)
+            self._dequantize(start, stop, tile)
             y[:, start:stop] = x @ tile.T
         return y
+
+    # Rows per tile below which one thread dequantizes it alone (handing half to a second thread
+    # costs tens of µs).
+    PARALLEL_DEQUANTIZE_ROWS = 256
+
+    def _dequantize(self, start: int, stop: int, tile: np.ndarray) -> None:
+        """tile = W[start:stop], the second half on the helper thread when the tile is large (the
+        kernels release the GIL): BLAS uses every core for the product, dequantizing on one left
+        the others idle for ~8% of a 1B model's prefill."""
+        n = stop - start
+        helper = _dequantize_helper() if n >= self.PARALLEL_DEQUANTIZE_ROWS else None
+        if helper is None:
+            self._k.dequantize_rows(self.ggml_type, self.raw, np.arange(start, stop), tile)
+            return
+        half = n // 2
+        job = helper.submit(self._k.dequantize_rows, self.ggml_type, self.raw,
+                            np.arange(start + half, stop), tile[half:])
+        self._k.dequantize_rows(self.ggml_type, self.raw, np.arange(start, start + half), tile[:half])
+        job.result()
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """W[ids] (len(ids), in_features) float32, dequantizing only those rows."""

@@ -22,7 +22,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    """x / (1 + exp(-x)), the same ufuncs in the same order as the expression, in one buffer
+    (a prefill chunk's (T, ffn) activations are tens of MiB: each temporary costs page faults)."""
+    t = np.negative(x)
+    np.exp(t, out=t)
+    np.add(t, 1.0, out=t)
+    return np.divide(x, t, out=t)
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:

@@ -113,7 +113,9 @@ class MLP:
         self.ffn_down = w.linear(f"{prefix}.ffn_down.weight", args.dim, args.ffn_dim)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.ffn_down(silu(self.ffn_gate(x)) * self.ffn_up(x))
+        h = silu(self.ffn_gate(x))
+        h *= self.ffn_up(x)  # in place: the same product as silu(gate) * up
+        return self.ffn_down(h)
 
 
 class TransformerBlock:
