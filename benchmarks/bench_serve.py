@@ -14,10 +14,14 @@ the chat template's shared start). Reported per N:
     TTFT p50 / p95     request sent → first content chunk, over all requests
     speed-up           agg decode tok/s over the 1-client figure
 
+    vs llama.cpp       omlx's agg decode tok/s over llama.cpp's server's at the same N
+    failed             requests that ended in an HTTP error (left out of the figures)
+
 llama.cpp's server (`llama_cpp.server` of llama-cpp-python, 2 threads; `--n_parallel` when its
-version has it, else its requests are served one at a time) is measured the same way when the
-given interpreter can import it; it is never a dependency. The machine is shared: figures vary
-from run to run, compare within one run.
+version has it, else its requests are served one at a time: 0.3.36 has no batching, and it is
+started with `--interrupt_requests False`, without which each new request cuts off the one
+streaming) is measured the same way when the given interpreter can import it; it is never a
+dependency. The machine is shared: figures vary from run to run, compare within one run.
 """
 
 from __future__ import annotations
@@ -79,14 +83,19 @@ def llama_server_args(python: str) -> list[str] | None:
     if probe.returncode != 0:
         return None
     help_text = subprocess.run([python, "-m", "llama_cpp.server", "--help"], capture_output=True, text=True).stdout
-    return ["--n_parallel"] if "--n_parallel" in help_text else []
+    extra = ["--n_parallel"] if "--n_parallel" in help_text else []
+    if "--interrupt_requests" in help_text:  # by default a new request cuts off the one streaming
+        extra += ["--interrupt_requests", "False"]
+    return extra
 
 
 def start_llama(python: str, extra: list[str], model: Path, port: int, ctx: int, clients: int) -> subprocess.Popen:
     args = [python, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port), "--host", "127.0.0.1",
-            "--n_threads", "2", "--n_ctx", str(ctx * max(1, clients) if extra else ctx), "--verbose", "False"]
-    if extra:
+            "--n_threads", "2", "--n_ctx", str(ctx * max(1, clients) if "--n_parallel" in extra else ctx),
+            "--verbose", "False"]
+    if "--n_parallel" in extra:
         args += ["--n_parallel", str(clients)]
+    args += [a for a in extra if a != "--n_parallel"]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -120,7 +129,10 @@ def run_clients(url: str, model_id: str, clients: int, rounds: int, max_tokens: 
         for r in range(rounds):
             topic = TOPICS[(c * rounds + r) % len(TOPICS)]
             prompt = f"Request {c}-{r}. Write a long, detailed story about {topic}."
-            res = one_request(url, model_id, prompt, max_tokens)
+            try:
+                res = one_request(url, model_id, prompt, max_tokens)
+            except httpx.HTTPError as exc:  # counted, not fatal: the table says how many failed
+                res = {"ttft": None, "t_first": None, "t_last": None, "chunks": 0, "error": f"{type(exc).__name__}: {exc}"}
             with lock:
                 results.append(res)
 
@@ -130,10 +142,15 @@ def run_clients(url: str, model_id: str, clients: int, rounds: int, max_tokens: 
     for t in threads:
         t.join()
     done = [r for r in results if r["t_first"] is not None]
+    failed = [r for r in results if r.get("error")]
+    if failed:
+        print(f"    {len(failed)} of {len(results)} requests failed, e.g. {failed[0]['error']}", file=sys.stderr)
+    if not done:
+        raise RuntimeError(f"no request of {len(results)} streamed a token")
     span = max(r["t_last"] for r in done) - min(r["t_first"] for r in done)
     decoded = sum(r["chunks"] - 1 for r in done)
-    ttfts = sorted(r["ttft"] for r in results)
-    return {"clients": clients, "requests": len(results), "decoded_tokens": decoded,
+    ttfts = sorted(r["ttft"] for r in done)
+    return {"clients": clients, "requests": len(results), "failed": len(failed), "decoded_tokens": decoded,
             "agg_decode_tok_s": decoded / span if span > 0 else 0.0,
             "ttft_p50_s": statistics.median(ttfts),
             "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))]}
@@ -193,12 +210,18 @@ def main() -> int:
         for row in rows:
             row["model"] = path.stem
         all_rows += rows
-    print(f"| model | server | clients | agg decode tok/s | × 1 client | TTFT p50 s | TTFT p95 s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    llama = {(r["model"], r["clients"]): r["agg_decode_tok_s"] for r in all_rows if r["server"] == "llama.cpp"}
+    for r in all_rows:  # omlx over llama.cpp's server at the same number of clients, same run
+        other = llama.get((r["model"], r["clients"])) if r["server"] == "omlx" else None
+        r["vs_llama_cpp"] = r["agg_decode_tok_s"] / other if other else None
+    print("| model | server | clients | agg decode tok/s | × 1 client | vs llama.cpp | TTFT p50 s | TTFT p95 s "
+          "| failed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in all_rows:
         speedup = f"{r['speedup']:.2f}" if r["speedup"] else "-"
+        versus = f"{r['vs_llama_cpp']:.2f}" if r["vs_llama_cpp"] else "-"
         print(f"| {r['model']} | {r['server']} | {r['clients']} | {r['agg_decode_tok_s']:.1f} | {speedup} | "
-              f"{r['ttft_p50_s']:.2f} | {r['ttft_p95_s']:.2f} |")
+              f"{versus} | {r['ttft_p50_s']:.2f} | {r['ttft_p95_s']:.2f} | {r['failed']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(all_rows, indent=2))
     return 0

@@ -366,18 +366,22 @@ def make_row_dot(decoder, bs, ts):
     return dot
 
 
-def make_rows_dot(decoder, bs, ts, n):
-    """Intrinsic dots(src, x, t0) -> n float32s: the dot products of one row's blocks src (1-D
-    uint8) with rows t0..t0+n-1 of x (2-D float32, C; the caller keeps t0 + n <= rows of x).
+def make_rows_dot_part(decoder, bs, ts, n):
+    """Intrinsic part(src, x, t0, b0, b1, acc) -> n float32s: blocks b0..b1-1 of one row src (1-D
+    uint8) against rows t0..t0+n-1 of x (2-D float32, C; the caller keeps t0 + n <= rows of x and
+    b1 <= the row's blocks), accumulated into acc (1-D float32, >= n*2*16: per x row the two
+    <16 x float> accumulators of `make_row_dot`; zeros when b0 == 0, else loaded from acc; stored
+    back at the end). Returns the n dot products so far: after a row's last tile, its results.
 
-    Each block is decoded once for all n rows (a batch's decode step reads and decodes the weights
-    once instead of n times). Each row keeps `make_row_dot`'s two accumulators, fed in the same
-    order, so every result is bit-identical to `dot(src, x[t0 + j])`: a sequence's logits do not
-    depend on the batch it runs in."""
+    Each block is decoded once for all n rows of x (a batch's decode step reads and decodes the
+    weights once, not once per sequence). A caller runs a row's blocks in order over one or more
+    calls (the K dimension in tiles, so that n rows' slice of x stays in the core's L1 cache while
+    a group of weight rows streams past it); the accumulators see the same products in the same order as `make_row_dot`'s, so every result is bit-identical to
+    `dot(src, x[t0 + j])` — a sequence's logits do not depend on the batch it runs in."""
 
     @intrinsic
-    def dots(typingctx, src, x, t0):
-        sig = types.UniTuple(types.float32, n)(src, x, t0)
+    def part(typingctx, src, x, t0, b0, b1, acc):
+        sig = types.UniTuple(types.float32, n)(src, x, t0, b0, b1, acc)
 
         def codegen(context, builder, signature, args):
             v = VectorIR(builder)
@@ -387,14 +391,19 @@ def make_rows_dot(decoder, bs, ts, n):
             k_values = cgutils.unpack_tuple(builder, xarr.shape, 2)[1]
             xp = builder.bitcast(xarr.data, I8.as_pointer())
             row_bytes = builder.mul(k_values, ir.Constant(I64, 4))
-            t0 = context.cast(builder, args[2], signature.args[2], types.int64)
+            t0, b0, b1 = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 3, 4))
             x_rows = [v.gep(xp, builder.mul(builder.add(t0, ir.Constant(I64, j)), row_bytes)) for j in range(n)]
+            ap = data_pointer(context, builder, signature.args[5], args[5])
+            # the accumulators live in registers (allocas LLVM promotes) for the whole call: zeros
+            # for a row's first tile (b0 == 0), else the state acc holds
+            first = builder.icmp_signed("==", b0, ir.Constant(I64, 0))
             zero = ir.Constant(vf, [0.0] * LANES)
-            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(n)]
-            n_blocks = builder.sdiv(k_values, ir.Constant(I64, bs))
-            with cgutils.for_range(builder, n_blocks) as loop:
-                blk = v.gep(sp, builder.mul(loop.index, ir.Constant(I64, ts)))
-                x_off = builder.mul(loop.index, ir.Constant(I64, 4 * bs))
+            accs = [[cgutils.alloca_once_value(
+                builder, builder.select(first, zero, v.load(ap, 4 * LANES * (2 * j + a), vf, align=4)))
+                for a in range(2)] for j in range(n)]
+            with cgutils.for_range_slice(builder, b0, b1, ir.Constant(I64, 1), inc=True) as (index, _):
+                blk = v.gep(sp, builder.mul(index, ir.Constant(I64, ts)))
+                x_off = builder.mul(index, ir.Constant(I64, 4 * bs))
                 prefetch_ahead(builder, blk)
                 for i, w in enumerate(decoder(v, blk)):
                     for j in range(n):
@@ -402,12 +411,18 @@ def make_rows_dot(decoder, bs, ts, n):
                         acc = accs[j][i % 2]
                         prod = builder.fmul(xv, w, flags=CONTRACT)
                         builder.store(builder.fadd(builder.load(acc), prod, flags=CONTRACT), acc)
+            for j in range(n):
+                for a in range(2):
+                    v.store(builder.load(accs[j][a]), ap, 4 * LANES * (2 * j + a))
             sums = [v.hsum(builder.fadd(builder.load(a0), builder.load(a1))) for a0, a1 in accs]
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
 
-    return dots
+    return part
+
+
+ACC_VALUES = 2 * LANES  # floats of accumulator state per row of x (`make_rows_dot_part`)
 
 
 def make_row_dequantize(decoder, bs, ts):
