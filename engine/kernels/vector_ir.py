@@ -302,7 +302,7 @@ f32_pointer = _pointer_from_address(types.float32, F32)
 # ---------------------------------------------------------------------------------------------
 
 
-def for_each_block(context, builder, signature, args, decoder, bs, ts, each, prefetch=False):
+def for_each_block(context, builder, signature, args, decoder, bs, ts, each):
     """The loop both intrinsics share: over the blocks of a row (args[0], 1-D uint8), as many as
     the float32 array args[1] (1-D, C) holds values; calls each(v, i, w, fp) for the i-th decoded
     <16 x float> vector w of a block, fp pointing at that block's first float of args[1]."""
@@ -314,8 +314,7 @@ def for_each_block(context, builder, signature, args, decoder, bs, ts, each, pre
     with cgutils.for_range(builder, n_blocks) as loop:
         blk = v.gep(sp, builder.mul(loop.index, ir.Constant(I64, ts)))
         fp = v.gep(fp0, builder.mul(loop.index, ir.Constant(I64, 4 * bs)))
-        if prefetch:
-            prefetch_ahead(builder, blk)
+        prefetch_ahead(builder, blk)
         for i, w in enumerate(decoder(v, blk)):
             each(v, i, w, fp)
     return v
@@ -358,7 +357,7 @@ def make_row_dot(decoder, bs, ts):
                 prod = builder.fmul(xv, w, flags=CONTRACT)
                 builder.store(builder.fadd(builder.load(acc), prod, flags=CONTRACT), acc)
 
-            v = for_each_block(context, builder, signature, args, decoder, bs, ts, accumulate, prefetch=True)
+            v = for_each_block(context, builder, signature, args, decoder, bs, ts, accumulate)
             return v.hsum(builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
 
         return sig, codegen
@@ -434,7 +433,7 @@ def make_row_dequantize(decoder, bs, ts):
 
         def codegen(context, builder, signature, args):
             for_each_block(context, builder, signature, args, decoder, bs, ts,
-                           lambda v, i, w, ob: v.store(w, ob, 4 * LANES * i), prefetch=True)
+                           lambda v, i, w, ob: v.store(w, ob, 4 * LANES * i))
             return context.get_dummy_value()
 
         return sig, codegen
