@@ -30,6 +30,23 @@ def _size_text(n: int) -> str:
     return f"{n / MiB:,.0f} MB" if n >= MiB else f"{n / 1024:,.0f} KB"
 
 
+def document_text(source: str | Path | None, text: str | None, name: str | None) -> tuple[str, str]:
+    """(name, text) of a document given as a file or as text (`add_document`'s arguments, local or
+    remote): the file read with `read_document` when no text is given; the name defaults to the
+    file's name, else "document".
+
+    Raises:
+        DocumentError: neither given, the file unreadable, or the text empty.
+    """
+    if text is None:
+        if source is None:
+            raise DocumentError("add_document needs a file or text")
+        text = read_document(source)
+    if not text.strip():
+        raise DocumentError(f"{name or 'the document'} is empty")
+    return name or (Path(source).name if source is not None else "document"), text
+
+
 def read_document(path: str | Path) -> str:
     """The text of a .txt / .md (or other plain text) or .pdf file (a PDF's pages joined by
     :func:`join_pages`).

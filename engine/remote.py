@@ -211,15 +211,10 @@ class RemoteSession(MessageLog):
                      doc_id: str | None = None) -> RemoteDocument:
         import uuid
 
-        from .session import read_document
+        from .documents import document_text
 
-        if text is None:
-            if source is None:
-                raise DocumentError("add_document needs a file or text")
-            text = read_document(source)
-        if not text.strip():
-            raise DocumentError(f"{name or 'the document'} is empty")
-        doc = RemoteDocument(name=name or (Path(source).name if source else "document"), text=text,
+        name, text = document_text(source, text, name)
+        doc = RemoteDocument(name=name, text=text,
                              id=doc_id or uuid.uuid4().hex,
                              path=str(source) if source is not None else None, pinned=pinned,
                              n_tokens=max(1, len(text) // 4))

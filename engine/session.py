@@ -34,7 +34,7 @@ ANSWER_RESERVE = 256  # context tokens a pinned prefix must leave for a question
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".text", ".rst", ".csv", ".log", ".json", ".py"}
 
 
-from .documents import plain_text, read_document  # noqa: E402,F401  (read_document: its old home)
+from .documents import document_text, plain_text, read_document  # noqa: E402,F401  (read_document: its old home)
 from .errors import DocumentError  # noqa: E402,F401
 from .retrieval import CHUNK_TOKENS, SECTION_OVERHEAD_TOKENS  # noqa: E402
 
@@ -296,13 +296,7 @@ class Session(MessageLog):
             DocumentError: unreadable, too large for the context in "whole" mode, or no room
                 left for its sections (nothing changes then).
         """
-        if text is None:
-            if source is None:
-                raise DocumentError("add_document needs a file or text")
-            text = read_document(source)
-        if not text.strip():
-            raise DocumentError(f"{name or 'the document'} is empty")
-        name = name or (Path(source).name if source is not None else "document")
+        name, text = document_text(source, text, name)
         doc = Document(name=name, text=text, path=str(source) if source is not None else None,
                        pinned=pinned)
         if doc_id is not None:
