@@ -36,8 +36,10 @@ TIMEOUT = 120.0
 SHORT = 10
 
 
-def ask(window: MainWindow, text: str, max_tokens: int = SHORT, *, enter: bool = True) -> dict:
-    """Types the message, sends it (Enter in the input box) and waits for the answer."""
+def ask(window: MainWindow, text: str, max_tokens: int = SHORT, *, enter: bool = True,
+        timeout: float = 120.0) -> dict:
+    """Types the message, sends it (Enter in the input box) and waits for the answer (up to
+    `timeout` seconds: a prompt of a whole context on a busy machine can take minutes)."""
     answers: list[dict] = []
     window.answerFinished.connect(answers.append)
     try:
@@ -48,7 +50,7 @@ def ask(window: MainWindow, text: str, max_tokens: int = SHORT, *, enter: bool =
         else:
             window.send_button.click()
         assert window.turn is not None, window.errors[-1:] or "nothing was sent"
-        wait_until(lambda: answers, what=f"the answer to {text!r}")
+        wait_until(lambda: answers, timeout=timeout, what=f"the answer to {text!r}")
     finally:
         window.answerFinished.disconnect(answers.append)
     assert answers[0]["state"] != "failed", answers[0].get("error")
@@ -77,9 +79,10 @@ def data_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("desktop-data")
 
 
-@pytest.fixture(scope="module")
-def window(qapp, data_dir, smollm2_path):
-    w = MainWindow(data_dir=data_dir, model=str(smollm2_path))
+def open_window(data_dir: Path, model: Path):
+    """A shown main window on `model` with its model loaded; closed after the module's tests
+    (use as the body of a module-scoped fixture: `yield from open_window(...)`)."""
+    w = MainWindow(data_dir=data_dir, model=str(model))
     w.resize(1280, 820)
     w.show()
     wait_until(lambda: w.model_info is not None or w.errors, what="the model")
@@ -87,6 +90,11 @@ def window(qapp, data_dir, smollm2_path):
     yield w
     if not w.closed:
         w.close()
+
+
+@pytest.fixture(scope="module")
+def window(qapp, data_dir, smollm2_path):
+    yield from open_window(data_dir, smollm2_path)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from PySide6.QtCore import QUrl  # noqa: E402
 from omlx_desktop.window import MainWindow  # noqa: E402
 
 from .qt_wait import wait_until  # noqa: E402
-from .test_desktop_chat import drop  # noqa: E402
+from .test_desktop_chat import ask as chat_ask  # noqa: E402
+from .test_desktop_chat import drop, open_window  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a window on a real model, generating answers
 
@@ -27,29 +28,11 @@ FACT = "The access code for the north gate is 4471."
 
 @pytest.fixture(scope="module")
 def window(qapp, tmp_path_factory, smollm2_path):
-    w = MainWindow(data_dir=tmp_path_factory.mktemp("documents-data"), model=str(smollm2_path))
-    w.resize(1280, 820)
-    w.show()
-    wait_until(lambda: w.model_info is not None or w.errors, what="the model")
-    assert w.model_info is not None, w.errors
-    yield w
-    if not w.closed:
-        w.close()
+    yield from open_window(tmp_path_factory.mktemp("documents-data"), smollm2_path)
 
 
 def ask(window: MainWindow, text: str, max_tokens: int) -> dict:
-    """Sends ``text`` and waits for the answer (a prompt of a whole context on a busy machine
-    can take minutes)."""
-    answers: list[dict] = []
-    window.answerFinished.connect(answers.append)
-    try:
-        window.max_tokens_spin.setValue(max_tokens)
-        assert window.send_message(text), window.errors[-1:]
-        wait_until(lambda: answers, timeout=900, what=f"the answer to {text!r}")
-    finally:
-        window.answerFinished.disconnect(answers.append)
-    assert answers[0]["state"] != "failed", answers[0].get("error")
-    return answers[0]
+    return chat_ask(window, text, max_tokens, timeout=900)  # a whole context's prompt: minutes when busy
 
 
 def added(window: MainWindow, key: str) -> None:
