@@ -77,16 +77,14 @@ def start_omlx(model: Path, port: int, ctx: int) -> subprocess.Popen:
 
 
 def llama_server_args(python: str) -> list[str] | None:
-    """The llama_cpp.server command line for `python`, or None when it cannot import it."""
+    """The options of those `start_llama` uses that the llama_cpp.server of `python` has, or None
+    when it cannot import it."""
     # the server's own imports (uvicorn, fastapi, ...): llama_cpp.server imports without them
     probe = subprocess.run([python, "-c", "import uvicorn, llama_cpp.server.app"], capture_output=True)
     if probe.returncode != 0:
         return None
     help_text = subprocess.run([python, "-m", "llama_cpp.server", "--help"], capture_output=True, text=True).stdout
-    extra = ["--n_parallel"] if "--n_parallel" in help_text else []
-    if "--interrupt_requests" in help_text:  # by default a new request cuts off the one streaming
-        extra += ["--interrupt_requests", "False"]
-    return extra
+    return [option for option in ("--n_parallel", "--interrupt_requests") if option in help_text]
 
 
 def start_llama(python: str, extra: list[str], model: Path, port: int, ctx: int, clients: int) -> subprocess.Popen:
@@ -95,7 +93,8 @@ def start_llama(python: str, extra: list[str], model: Path, port: int, ctx: int,
             "--verbose", "False"]
     if "--n_parallel" in extra:
         args += ["--n_parallel", str(clients)]
-    args += [a for a in extra if a != "--n_parallel"]
+    if "--interrupt_requests" in extra:  # by default a new request cuts off the one streaming
+        args += ["--interrupt_requests", "False"]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
