@@ -161,6 +161,7 @@ class ModelController(QObject):
         w = self.w
         self.loading = str(spec)
         self._keep_source = keep_source
+        self._restoring_remote = False      # a load chosen while the saved server was connecting
         name = Path(spec).name if os.sep in str(spec) or str(spec).endswith(".gguf") else spec
         w.load_progress.set_stage("loading", 0.0)
         w.load_progress.show()
