@@ -10,6 +10,16 @@ While a fetch runs ``fetch_cancel`` is its Event; while a load runs ``loading`` 
 ``model_info`` is the loaded model's description (None before the first load). The KV panel's
 settings reach the worker from here too: they depend on the model (its layers, its context).
 
+Which source the app comes back on: a local load saves the file (setting ``last_model``); a
+connection to a server saves the endpoint (``remote_endpoint``: base URL, model id and whether an
+API key was sent; never the key itself: the app has no secret store, and the database is plain
+text) and ``model_source`` says which of the two the user chose last. At start
+(:meth:`start`) a saved endpoint is connected in the worker (the UI never waits on the network);
+if it cannot be reached the local model loads instead, with a message, and the endpoint stays
+saved for the next start or a retry from File → Connect to a server… (filled in). An endpoint
+that was used with a key is not connected without it: the local model loads and the dialog
+opens, filled in, asking for the key.
+
 Every load (File → Open, a drop, the Hugging Face dialog, the last model at start) goes through
 the worker's fit check (engine.fit at the KV panel's context and setting): a model that does
 not fit is loaded only if the user says so (:meth:`ask_load_anyway`); a tight one loads with a
@@ -60,6 +70,9 @@ def _estimate_detail(summary: str) -> str:
     return summary.split(": ", 1)[-1]
 
 
+LOCAL, REMOTE = "local", "remote"   # the setting model_source: what the app comes back on
+
+
 class ModelController(QObject):
     loaded = Signal(object)         # the model info dict
     failed = Signal(str)            # no model: a fetch or load failed (the message shown)
@@ -70,6 +83,29 @@ class ModelController(QObject):
         self.model_info: dict | None = None
         self.loading: str | None = None
         self.fetch_cancel: threading.Event | None = None
+        # the load running keeps model_source as it is (a fallback at start, not the user's choice)
+        self._keep_source = False
+        self._connecting: dict | None = None    # the endpoint being connected: url, model, key_needed
+        self._restoring_remote = False          # that connection is the saved endpoint at start
+        self._fetch_if_missing = False          # start()'s, for the fallback to the local model
+
+    # -- the saved remote endpoint ----------------------------------------------------------
+    def saved_endpoint(self) -> dict | None:
+        """The last server connected to: ``{"url", "model", "key_needed"}`` (None: none)."""
+        saved = self.w.store.get_setting("remote_endpoint")
+        if isinstance(saved, dict) and isinstance(saved.get("url"), str) and saved["url"].strip():
+            model = saved.get("model")
+            return {"url": saved["url"], "model": model if isinstance(model, str) and model else None,
+                    "key_needed": bool(saved.get("key_needed"))}
+        legacy = self.w.store.get_setting("remote_url")   # saved by earlier versions: the URL alone
+        if isinstance(legacy, str) and legacy.strip():
+            return {"url": legacy, "model": None, "key_needed": False}
+        return None
+
+    @property
+    def restores_remote(self) -> bool:
+        """The app comes back on the saved endpoint at its next start."""
+        return self.w.store.get_setting("model_source") == REMOTE and self.saved_endpoint() is not None
 
     @property
     def ready(self) -> bool:
@@ -88,11 +124,29 @@ class ModelController(QObject):
             else:
                 self.load(model)
             return
+        endpoint = self.saved_endpoint() if self.restores_remote else None
+        if endpoint is not None and endpoint["key_needed"]:
+            self._start_local(fetch_if_missing, keep_source=True)
+            self.w.ask_remote_key(endpoint)
+        elif endpoint is not None:
+            self._restoring_remote = True
+            self._fetch_if_missing = fetch_if_missing
+            self.connect_remote(endpoint["url"], None, endpoint["model"])
+        else:
+            self._start_local(fetch_if_missing)
+
+    def _start_local(self, fetch_if_missing: bool, *, keep_source: bool = False) -> None:
+        """The last local model, else the default one if it is fetched (or
+        ``fetch_if_missing``), else the welcome page; ``keep_source``: a fallback, so the app
+        still comes back on the saved server next time."""
+        from engine import catalog
+
+        w = self.w
         last = w.store.get_setting("last_model")
         if last and Path(last).is_file():
-            self.load(last)
+            self.load(last, keep_source=keep_source)
         elif catalog.is_fetched(catalog.DEFAULT_MODEL):
-            self.load(catalog.DEFAULT_MODEL)
+            self.load(catalog.DEFAULT_MODEL, keep_source=keep_source)
         elif fetch_if_missing:
             self.fetch(catalog.DEFAULT_MODEL)
         else:
@@ -100,11 +154,14 @@ class ModelController(QObject):
             w.model_label.setText("No model loaded")
             w.statusBar().showMessage("No model yet: fetch the default model or open a .gguf file")
 
-    def load(self, spec: str, *, force: bool = False) -> None:
+    def load(self, spec: str, *, force: bool = False, keep_source: bool = False) -> None:
         """Loads a catalog model, an ``hf:`` source or a .gguf file in the worker (the current
-        model stays until the new one is ready); ``force`` skips asking about one that does not fit."""
+        model stays until the new one is ready); ``force`` skips asking about one that does not
+        fit; ``keep_source``: the app still comes back on a saved server next time (a fallback)."""
         w = self.w
         self.loading = str(spec)
+        self._keep_source = keep_source
+        self._restoring_remote = False      # a load chosen while the saved server was connecting
         name = Path(spec).name if os.sep in str(spec) or str(spec).endswith(".gguf") else spec
         w.load_progress.set_stage("loading", 0.0)
         w.load_progress.show()
@@ -122,9 +179,13 @@ class ModelController(QObject):
         current model stays until the server answered)."""
         w = self.w
         self.loading = f"remote:{base_url}"
+        self._connecting = {"url": base_url, "model": model, "key_needed": bool(api_key)}
         w.load_progress.set_stage("connecting", 0.0)
         w.load_progress.show()
         w.statusBar().showMessage(f"Connecting to {base_url}…")
+        if self.model_info is None:
+            w.model_label.setText(f"Connecting to <b>{html.escape(base_url)}</b>…")
+            w.welcome_status.setText(f"Connecting to {base_url}…")
         w.update_buttons()
         w.request(ConnectRemote(base_url, api_key, model))
 
@@ -214,7 +275,7 @@ class ModelController(QObject):
         if self.w.closed:
             return
         if self.ask_load_anyway(check):
-            self.load(check.spec, force=True)
+            self.load(check.spec, force=True, keep_source=self._keep_source)
             return
         name = Path(check.path).name
         self._load_ended()
@@ -255,8 +316,16 @@ class ModelController(QObject):
         w.welcome_status.setText("")
         w.clear_error("model")
         remote = bool(info.get("remote"))
-        if not remote:      # a server is not reconnected at start (its key is not stored)
+        if remote:
+            endpoint = dict(self._connecting or {}, url=info["path"], model=info["remote_model"])
+            w.store.set_setting("remote_endpoint", endpoint)
+            w.store.set_setting("model_source", REMOTE)
+            w.clear_error("remote")
+        else:
             w.store.set_setting("last_model", info["path"])
+            if not self._keep_source:
+                w.store.set_setting("model_source", LOCAL)
+        self._connecting, self._restoring_remote, self._keep_source = None, False, False
         w.model_label.setText(model_text(info))
         w.model_label.setToolTip(info["path"])
         w.setWindowTitle(f"{info['name']} — {APP_TITLE}")
@@ -293,12 +362,31 @@ class ModelController(QObject):
         spec = self.loading
         name = (spec[len("remote:"):] if spec.startswith("remote:") else Path(spec).name) \
             if spec else "the model"
+        restoring, endpoint = self._restoring_remote, self._connecting
+        self._connecting, self._restoring_remote, self._keep_source = None, False, False
+        if restoring and endpoint is not None:
+            self._remote_fallback(endpoint, failure)
+            return
         self._load_ended()
         w.show_error(f"Cannot load {name}: {failure.message}", "model")
         if self.model_info is None:
             w.welcome_status.setText(f"Cannot load {name}: {failure.message}")
         w.update_buttons()
         self.failed.emit(failure.message)
+
+    def _remote_fallback(self, endpoint: dict, failure: Failure) -> None:
+        """The saved server did not answer at start: the local model instead, the endpoint kept
+        (the app tries it again at the next start; the dialog is filled in with it)."""
+        w = self.w
+        self.loading = None
+        model = f" (model {endpoint['model']})" if endpoint.get("model") else ""
+        w.show_error(f"Cannot connect to the saved server {endpoint['url']}{model}: {failure.message} "
+                     "Using the local model instead. The server stays saved: File → Connect to a "
+                     "server… (filled in) tries it again.", "remote")
+        self._start_local(self._fetch_if_missing, keep_source=True)
+        if self.loading is None and self.fetch_cancel is None:     # no local model either
+            w.load_progress.hide()
+        w.update_buttons()
 
     # -- KV settings ----------------------------------------------------------------------
     def on_settings_applied(self, applied: KVApplied) -> None:

@@ -184,6 +184,7 @@ class ModelInfo:
                                 # no local file, no KV settings
     default_ctx: int = 0        # the model's context, capped by what fits in memory at the KV
                                 # setting (engine.fit.default_context): the panel's default
+    remote_model: str = ""      # remote: the server's model id answering (its /v1/models id)
 
     def as_dict(self) -> dict:
         """The form the window and the KV panel read (``info["name"]``, ``info["geometry"]``)."""

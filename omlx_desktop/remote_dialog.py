@@ -3,8 +3,10 @@ machine's ``omlx serve``, vLLM, llama.cpp's server, Ollama, LM Studio) instead o
 
 The dialog asks the worker for the server's models (``ListRemoteModels``: the request runs in the
 worker's thread, so an unreachable server never freezes the window) and connects through the
-model controller (``ConnectRemote``, answered like a load). The API key stays in memory for this
-run: it is never written to the app's database.
+model controller (``ConnectRemote``, answered like a load). The server's address and model come
+back filled in from the last connection (the model controller saves them); the API key stays in
+memory for this run: it is never written to the app's database (a plain file), so a server used
+with a key asks for it again after a restart (:meth:`ask_for_key`).
 """
 
 from __future__ import annotations
@@ -32,22 +34,27 @@ class RemoteDialog(QDialog):
         self.w = window
         self.setWindowTitle("Connect to a server")
         self.setMinimumWidth(480)
-        self.url_edit = QLineEdit(window.store.get_setting("remote_url") or DEFAULT_URL)
+        saved = window.models.saved_endpoint() or {}
+        self.url_edit = QLineEdit(saved.get("url") or DEFAULT_URL)
         self.url_edit.setPlaceholderText(DEFAULT_URL)
         self.key_edit = QLineEdit()
         self.key_edit.setEchoMode(QLineEdit.EchoMode.Password)
         self.key_edit.setPlaceholderText("optional (sent as a Bearer token)")
+        self.key_edit.setToolTip("Kept in memory while the app runs, never saved to disk: after a "
+                                 "restart the app asks for it again.")
         self.list_button = QPushButton("List models")
         self.model_box = QComboBox()
         self.model_box.setEditable(True)
         self.model_box.setMinimumContentsLength(24)
+        if saved.get("model"):
+            self.model_box.setCurrentText(saved["model"])
         self.status = QLabel("Any OpenAI-compatible server: omlx serve, vLLM, llama.cpp's server, "
                              "Ollama, LM Studio.")
         self.status.setWordWrap(True)
         self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Cancel)
         self.connect_button = self.buttons.addButton("Connect", QDialogButtonBox.ButtonRole.AcceptRole)
-        self.connect_button.setEnabled(False)
+        self.connect_button.setEnabled(bool(self.model_box.currentText().strip()))
 
         model_row = QHBoxLayout()
         model_row.addWidget(self.model_box, 1)
@@ -72,6 +79,18 @@ class RemoteDialog(QDialog):
         window.models.failed.connect(self._on_failed)
         self._busy = False
         self._connecting = False
+
+    def ask_for_key(self, endpoint: dict) -> None:
+        """Filled in with a saved ``endpoint`` ({"url", "model"}) whose API key was not saved:
+        says so and waits for the key."""
+        self.url_edit.setText(endpoint["url"])
+        if endpoint.get("model"):
+            self.model_box.setCurrentText(endpoint["model"])
+        self.key_edit.clear()
+        self.status.setText(f"The API key for {html.escape(endpoint['url'])} is not saved on disk "
+                            "(the app keeps no secrets in its files): enter it again and Connect. "
+                            "The local model answers meanwhile.")
+        self.key_edit.setFocus()
 
     def _set_busy(self, busy: bool, text: str | None = None) -> None:
         self._busy = busy
@@ -105,7 +124,6 @@ class RemoteDialog(QDialog):
         model = self.model_box.currentText().strip() or None
         self._connecting = True
         self._set_busy(True, f"Connecting to {model or 'the server'}…")
-        self.w.store.set_setting("remote_url", url)
         self.w.models.connect_remote(url, self.key_edit.text().strip() or None, model)
 
     def _on_loaded(self, info: dict) -> None:

@@ -8,6 +8,15 @@ are its own, so the worker thread and the server's engine thread never touch the
 (the matrix kernels' thread pool takes one caller at a time and runs a second one without the
 pool). Starting and stopping happen off the UI thread; results come back as queued signals.
 
+KV setting: the server uses the KV panel's setting (`set_kv_spec`, which `install` connects to
+the panel), the one the window's chat uses, and the panel shows it ("KV k4v4"). The server's
+scheduler builds its block pools, its KV budget (in blocks of the setting's size) and its prefix
+cache once, when it starts, and running sequences hold blocks of that layout, so a server cannot
+change its setting in place: a new setting restarts it, on the same port. The restart waits
+until the setting has been still for SETTLE_S (one restart for a slider drag) and the server has
+no request running or queued, for at most RESTART_WAIT_S; requests still running then are cut
+off (their clients get an error and can retry). The label says so while the restart is pending.
+
 Off by default; the switch is disabled until a model is loaded. Binding is 127.0.0.1 only, so no
 API key is needed (the CLI's rule for other hosts does not arise here).
 """
@@ -16,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QPushButton, QSpinBox, QWidget
 
@@ -26,13 +36,24 @@ log = logging.getLogger("omlx.desktop.serve")
 DEFAULT_PORT = 8080
 SERVE_CTX = 4096  # context per request the switch serves (the model's, when smaller)
 SERVE_BATCH = 4   # sequences decoded together
+SETTLE_S = 0.8          # a KV setting must stay unchanged this long before the server restarts on it
+RESTART_WAIT_S = 30.0   # longest wait for running requests to finish before that restart
+RESTART_POLL_MS = 200
+
+
+def canonical_spec(spec: str | None) -> str:
+    """The KV setting's canonical string (engine.kv.config; None: the default preset)."""
+    from engine.kv.config import parse_kv
+
+    return str(parse_kv(spec))
 
 
 class ServePanel(QWidget):
-    """Switch, port, URL and copy button. `set_model(path)` names the model to serve (the window
-    calls it when a model is loaded); `shutdown()` stops the server (window close)."""
+    """Switch, port, URL, KV setting and copy button. `set_model(path)` names the model to serve
+    (the window calls it when a model is loaded), `set_kv_spec(spec)` the KV setting to serve it
+    with; `shutdown()` stops the server (window close)."""
 
-    started = Signal(str)      # base URL (…/v1), from the starter thread
+    started = Signal(str, str)  # base URL (…/v1), the KV setting served; from the starter thread
     stopped = Signal()
     failed = Signal(str)       # message
 
@@ -40,42 +61,78 @@ class ServePanel(QWidget):
         super().__init__(parent)
         self.switch = QCheckBox("Serve on localhost")
         self.switch.setToolTip("An OpenAI-compatible API for the loaded model on 127.0.0.1 "
-                               "(/v1/chat/completions, /v1/completions, /v1/models)")
+                               "(/v1/chat/completions, /v1/completions, /v1/models), with the KV "
+                               "cache setting of the KV panel")
         self.port = QSpinBox()
         self.port.setRange(0, 65535)
         self.port.setValue(DEFAULT_PORT)
         self.port.setToolTip("port (0: any free port)")
         self.url_label = QLabel("")
         self.url_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.kv_label = QLabel("")
+        self.kv_label.setToolTip("the KV cache setting the server uses (the KV panel's; a new "
+                                 "setting restarts the server)")
         self.copy_button = QPushButton("Copy URL")
         self.copy_button.setEnabled(False)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        for w in (self.switch, self.port, self.url_label, self.copy_button):
+        for w in (self.switch, self.port, self.url_label, self.kv_label, self.copy_button):
             layout.addWidget(w)
         self.model_path: str | None = None
+        self.kv_spec: str = canonical_spec(None)    # the setting to serve with
+        self.served_spec: str | None = None         # the engine's setting while serving
         self.url: str | None = None
         self.error: str | None = None
         self._thread = None          # engine.serve.ServerThread while serving
         self._busy = False           # a start or stop is running in the background
         self._served_path: str | None = None
+        self._started_spec: str | None = None       # kv_spec when the running server started
+        self._restart_after_stop = False
+        self._restart_port: int | None = None       # the port a restart binds again
+        self._spec_changed_at = 0.0
+        self._restart_pending_since: float | None = None
+        self._restart_timer = QTimer(self)
+        self._restart_timer.setInterval(RESTART_POLL_MS)
+        self._restart_timer.timeout.connect(self._poll_restart)
         self.switch.setEnabled(False)
         self.switch.toggled.connect(self._on_toggled)
         self.copy_button.clicked.connect(self.copy_url)
         self.started.connect(self._on_started)
         self.stopped.connect(self._on_stopped)
         self.failed.connect(self._on_failed)
+        self._show_kv()
 
     # -- from the window ----------------------------------------------------------------------
     def set_model(self, path: str | None) -> None:
         """The loaded model; a server running another model is restarted on this one."""
         self.model_path = str(path) if path else None
         self.switch.setEnabled(self.model_path is not None and not self._busy)
-        if self._thread is not None and self._served_path != self.model_path:
+        if self._thread is not None and not self._busy and self._served_path != self.model_path:
             self._stop(restart=self.model_path is not None)
+
+    def set_kv_spec(self, spec: str | None) -> None:
+        """The KV setting to serve with (a spec of engine.kv.config; None: the default preset).
+        A running server restarts on it once the setting settles and the server is idle (see
+        the module docstring).
+
+        Raises:
+            SettingsError: not a valid KV spec.
+        """
+        spec = canonical_spec(spec)
+        if spec == self.kv_spec:
+            return
+        self.kv_spec = spec
+        self._spec_changed_at = time.monotonic()
+        if self._thread is not None and not self._busy:
+            if spec != self._started_spec:
+                self._schedule_restart()
+            else:                          # back to the served setting before the restart
+                self._restart_timer.stop()
+        self._show_kv()
 
     def shutdown(self) -> None:
         """Stop serving now (blocking briefly; the window is closing)."""
+        self._restart_timer.stop()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.stop()
@@ -83,6 +140,46 @@ class ServePanel(QWidget):
     def copy_url(self) -> None:
         if self.url:
             QGuiApplication.clipboard().setText(self.url)
+
+    @property
+    def restart_pending(self) -> bool:
+        """A new KV setting waits for the server to restart on it."""
+        return self._restart_timer.isActive()
+
+    # -- the KV setting ----------------------------------------------------------------------------
+    def _show_kv(self) -> None:
+        if self.restart_pending:
+            self.kv_label.setText(f"KV {self.served_spec} → {self.kv_spec}: restarting when the "
+                                  "running requests finish")
+        elif self._thread is not None and self.served_spec:
+            self.kv_label.setText(f"KV {self.served_spec}")
+        else:
+            self.kv_label.setText(f"KV {self.kv_spec}")
+
+    def _schedule_restart(self) -> None:
+        if not self.restart_pending:
+            self._restart_pending_since = time.monotonic()
+            self._restart_timer.start()
+
+    def _poll_restart(self) -> None:
+        thread = self._thread
+        if thread is None or self._busy or self.kv_spec == self._started_spec:
+            self._restart_timer.stop()    # stopped meanwhile, or the setting went back
+            self._show_kv()
+            return
+        now = time.monotonic()
+        if now - self._spec_changed_at < SETTLE_S:
+            self._show_kv()
+            return
+        metrics = thread.server.metrics
+        idle = metrics.running.value == 0 and metrics.queue_length.value == 0
+        if idle or now - self._restart_pending_since >= RESTART_WAIT_S:
+            if not idle:
+                log.info("restarting the server on KV %s with requests still running", self.kv_spec)
+            self._restart_timer.stop()
+            self._stop(restart=True)
+        else:
+            self._show_kv()
 
     # -- switching ------------------------------------------------------------------------------
     def _on_toggled(self, on: bool) -> None:
@@ -98,21 +195,23 @@ class ServePanel(QWidget):
         self._busy = True
         self.error = None
         self.port.setEnabled(False)
-        self.url_label.setText("starting…")
-        path, port = self.model_path, self.port.value()
+        path, spec = self.model_path, self.kv_spec
+        port = self._restart_port if self._restart_port is not None else self.port.value()
+        self._restart_port = None
+        self.url_label.setText(f"starting with KV {spec}…")
 
         def start() -> None:
             try:
                 from engine.engine import Engine
-                from engine.errors import describe
                 from engine.serve import OpenAIServer, ServeConfig, ServeLimits, ServerThread
 
-                engine = Engine.load(path)
+                engine = Engine.load(path, kv=spec)
                 limits = ServeLimits(ctx=min(SERVE_CTX, engine.model.context_length), max_batch=SERVE_BATCH)
                 server = OpenAIServer(engine, limits, ServeConfig(host="127.0.0.1", port=port))
                 self._thread = ServerThread(server).start()
                 self._served_path = path
-                self.started.emit(self._thread.url + "/v1")
+                self._started_spec = spec
+                self.started.emit(self._thread.url + "/v1", str(engine.kv_config))
             except Exception as exc:  # reported in the panel; the window goes on
                 log.exception("cannot start serving")
                 from engine.errors import describe
@@ -122,9 +221,14 @@ class ServePanel(QWidget):
         threading.Thread(target=start, name="omlx-serve-start", daemon=True).start()
 
     def _stop(self, restart: bool) -> None:
+        self._restart_timer.stop()
         thread, self._thread = self._thread, None
         self._busy = True
-        self.url_label.setText("stopping…")
+        if restart and thread is not None:
+            self._restart_port = thread.port       # clients keep their URL
+            self.url_label.setText(f"restarting with KV {self.kv_spec}…")
+        else:
+            self.url_label.setText("stopping…")
         self.copy_button.setEnabled(False)
 
         def stop() -> None:
@@ -135,41 +239,56 @@ class ServePanel(QWidget):
         self._restart_after_stop = restart
         threading.Thread(target=stop, name="omlx-serve-stop", daemon=True).start()
 
-    def _on_started(self, url: str) -> None:
+    def _on_started(self, url: str, served_spec: str) -> None:
         self._busy = False
         self.url = url
+        self.served_spec = served_spec
         self.url_label.setText(url)
         self.copy_button.setEnabled(True)
         self.switch.setEnabled(True)
         if not self.switch.isChecked():  # switched off while starting
             self._stop(restart=False)
+        elif self._served_path != self.model_path:  # another model was loaded while starting
+            self._stop(restart=self.model_path is not None)
+        elif self._started_spec != self.kv_spec:    # the setting changed while starting
+            self._schedule_restart()
+        self._show_kv()
 
     def _on_stopped(self) -> None:
         self._busy = False
         self.url = None
+        self.served_spec = None
         self.url_label.setText("")
         self.port.setEnabled(True)
         self.switch.setEnabled(self.model_path is not None)
-        if getattr(self, "_restart_after_stop", False) or (self.switch.isChecked() and self.model_path):
-            self._restart_after_stop = False
+        restart = self._restart_after_stop or self.switch.isChecked()
+        self._restart_after_stop = False
+        if restart and self.model_path:
             self._start()
+        else:
+            self._restart_port = None
+        self._show_kv()
 
     def _on_failed(self, message: str) -> None:
         self._busy = False
         self.error = message
+        self.served_spec = None
         self.url_label.setText(f"not serving: {message}")
         self.port.setEnabled(True)
         self.switch.blockSignals(True)
         self.switch.setChecked(False)
         self.switch.blockSignals(False)
         self.switch.setEnabled(self.model_path is not None)
+        self._show_kv()
 
 
 def install(window) -> ServePanel:
-    """Put the panel in the window's model bar (before the Open button) and follow its model."""
+    """Put the panel in the window's model bar (before the Open button); it follows the
+    window's model and the KV panel's setting."""
     panel = ServePanel(window)
     bar = window.open_button.parentWidget().layout()
     bar.insertWidget(bar.indexOf(window.open_button), panel)
+
     def follow(info) -> None:
         # a remote server's model (path is its URL) cannot be served from here
         if isinstance(info, dict):
@@ -177,5 +296,13 @@ def install(window) -> ServePanel:
         else:
             panel.set_model(None if getattr(info, "remote", False) else getattr(info, "path", None))
 
+    def follow_kv(settings: dict) -> None:
+        try:
+            panel.set_kv_spec(settings.get("spec"))
+        except Exception:  # the panel builds its specs from KVConfig: a bad one is a bug there
+            log.exception("the KV panel's setting %r cannot be served", settings.get("spec"))
+
     window.models.loaded.connect(follow)
+    window.kv_panel.settingsChanged.connect(follow_kv)
+    follow_kv(window.kv_panel.settings())
     return panel

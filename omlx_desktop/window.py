@@ -248,6 +248,15 @@ class MainWindow(QMainWindow):
         self.remote_dialog.activateWindow()
         return self.remote_dialog
 
+    def ask_remote_key(self, endpoint: dict) -> RemoteDialog:
+        """At start: the saved server was used with an API key, which is not saved; the dialog
+        opens filled in and asks for it."""
+        dialog = self.open_remote_dialog()
+        dialog.ask_for_key(endpoint)
+        self.statusBar().showMessage(f"Enter the API key for {endpoint['url']} to reconnect "
+                                     "(it is not saved on disk)", 15_000)
+        return dialog
+
     def new_conversation(self) -> int:
         return self.conversations.new()
 

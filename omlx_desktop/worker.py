@@ -234,7 +234,7 @@ class EngineWorker(QObject):
         self.loaded.emit(ModelInfo(
             name=endpoint.name, path=endpoint.base_url, file_size=0, architecture="remote",
             context_length=0, kv_spec="", kv_bytes_per_token=0.0, kv_bytes_per_token_16=0.0,
-            has_chat_template=True, remote=True))
+            has_chat_template=True, remote=True, remote_model=endpoint.model))
 
     def _use_source(self, *, engine=None, remote=None) -> None:
         """Answers from now on with a local ``engine`` or a ``remote`` endpoint (one of them): the

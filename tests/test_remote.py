@@ -27,11 +27,11 @@ from .tiny_gguf import write_tiny_model  # noqa: E402
 KEY = "s3cret-key"
 
 
-def serve(path, *, api_key=None, model_id="remote-model") -> ServerThread:
+def serve(path, *, api_key=None, model_id="remote-model", port=0) -> ServerThread:
     engine = Engine.load(path, kv="full")
     engine.disk_cache = False
     server = OpenAIServer(engine, ServeLimits(ctx=min(512, engine.model.context_length), max_batch=2),
-                          ServeConfig(port=0, api_key=api_key, model_id=model_id))
+                          ServeConfig(port=port, api_key=api_key, model_id=model_id))
     return ServerThread(server).start()
 
 
@@ -177,4 +177,139 @@ def test_the_window_chats_through_a_remote_omlx_serve(qapp, tmp_path, smollm2_pa
     finally:
         window.close()
         window.wait_for_engine()
+        server.stop()
+
+
+def _connect_from_dialog(window, url: str, key: str | None = None) -> None:
+    dialog = window.open_remote_dialog()
+    dialog.url_edit.setText(url)
+    dialog.key_edit.setText(key or "")
+    dialog.list_button.click()
+    wait_until(lambda: dialog.model_box.count() > 0 and not dialog._busy, timeout=60, what="the model list")
+    dialog.connect_button.click()
+    wait_until(lambda: window.model_info.get("remote"), timeout=60, what="the connection")
+
+
+def _closed(window) -> None:
+    window.close()
+    window.wait_for_engine()
+
+
+@pytest.mark.slow
+def test_the_window_comes_back_on_its_remote_server(qapp, tmp_path, smollm2_path):
+    """A user who chatted through a server finds the app on it after a restart; when the server
+    is down at start, the app falls back to the local model with a message, keeps the server
+    saved, and the dialog (filled in) reconnects once it is back."""
+    from omlx_desktop.window import MainWindow
+
+    from .test_desktop_chat import ask
+
+    data = tmp_path / "data"
+    server = serve(smollm2_path, model_id="smollm2")
+    port = server.port
+    try:
+        first = MainWindow(data_dir=data, model=str(smollm2_path))
+        try:
+            wait_until(lambda: first.model_info is not None, timeout=300, what="the local model")
+            _connect_from_dialog(first, server.url)
+            name = first.model_info["name"]
+        finally:
+            _closed(first)
+
+        # a restart: the app connects to the saved server by itself and answers through it
+        second = MainWindow(data_dir=data)
+        try:
+            second.show()
+            wait_until(lambda: second.model_info is not None or second.errors, timeout=120,
+                       what="the saved server")
+            assert second.model_info is not None and second.model_info["remote"], second.errors
+            assert second.model_info["name"] == name and second.model_info["path"] == server.url + "/v1"
+            assert not second.kv_panel.isEnabled()
+            answer = ask(second, "What is the capital of France?", 6)
+            assert answer["state"] == "complete" and answer["text"].strip()
+            assert answer["stats"]["kv_spec"] == "remote"
+            saved = second.store.get_setting("remote_endpoint")
+        finally:
+            _closed(second)
+        assert saved == {"url": server.url + "/v1", "model": "smollm2", "key_needed": False}
+    finally:
+        server.stop()
+
+    # the server is down at the next start: the local model, a message, the server still saved
+    third = MainWindow(data_dir=data)
+    restarted = None
+    try:
+        third.show()
+        wait_until(lambda: third.model_info is not None, timeout=300, what="the local fallback")
+        assert not third.model_info["remote"] and third.model_info["path"] == str(smollm2_path)
+        assert any("Cannot connect to the saved server" in e and "cannot reach" in e for e in third.errors), \
+            third.errors
+        assert third.banner.isVisible() and "The server stays saved" in third.banner.text()
+        assert third.store.get_setting("remote_endpoint") == saved
+        assert third.models.restores_remote          # the next start tries the server again
+        assert ask(third, "Hello", 4)["stats"]["kv_spec"] != "remote"
+        assert third.banner.isVisible()              # a local success does not hide it
+
+        # the server is back: the dialog comes filled in, Connect reconnects
+        restarted = serve(smollm2_path, model_id="smollm2", port=port)
+        dialog = third.open_remote_dialog()
+        assert dialog.url_edit.text() == saved["url"] and dialog.model_box.currentText() == "smollm2"
+        assert dialog.connect_button.isEnabled()
+        dialog.connect_button.click()
+        wait_until(lambda: third.model_info.get("remote"), timeout=60, what="the reconnection")
+        assert not third.banner.isVisible()
+        assert ask(third, "And of Italy?", 4)["text"].strip()
+
+        # choosing a local model again: the next start comes back on it
+        third.load_model(str(smollm2_path))
+        wait_until(lambda: not third.model_info.get("remote") and third.models.ready, timeout=300,
+                   what="the local model")
+        assert not third.models.restores_remote
+        assert third.store.get_setting("remote_endpoint") == saved    # still offered in the dialog
+    finally:
+        _closed(third)
+        if restarted is not None:
+            restarted.stop()
+
+
+@pytest.mark.slow
+def test_a_server_key_is_asked_for_again_not_saved(qapp, tmp_path, smollm2_path):
+    """The API key is never written to disk: after a restart the dialog opens filled in with the
+    server and model, says the key is not saved, and connects once it is typed again."""
+    from omlx_desktop.window import MainWindow
+
+    from .test_desktop_chat import ask
+
+    data = tmp_path / "data"
+    server = serve(smollm2_path, api_key=KEY, model_id="smollm2")
+    try:
+        first = MainWindow(data_dir=data, model=str(smollm2_path))
+        try:
+            wait_until(lambda: first.model_info is not None, timeout=300, what="the local model")
+            _connect_from_dialog(first, server.url, KEY)
+            assert ask(first, "Hi", 3)["state"] == "complete"
+        finally:
+            _closed(first)
+        files = [p for p in data.rglob("*") if p.is_file()]
+        assert files and not any(KEY.encode() in p.read_bytes() for p in files)
+
+        second = MainWindow(data_dir=data)
+        try:
+            second.show()
+            wait_until(lambda: second.model_info is not None, timeout=300, what="the local model")
+            assert not second.model_info["remote"]
+            dialog = second.remote_dialog
+            assert dialog is not None and dialog.isVisible()
+            assert dialog.url_edit.text() == server.url + "/v1" and dialog.model_box.currentText() == "smollm2"
+            assert dialog.key_edit.text() == "" and "not saved on disk" in dialog.status.text()
+            assert second.models.restores_remote
+            dialog.key_edit.setText(KEY)
+            dialog.connect_button.click()
+            wait_until(lambda: second.model_info.get("remote"), timeout=60, what="the connection")
+            assert ask(second, "What is the capital of France?", 5)["text"].strip()
+        finally:
+            _closed(second)
+        files = [p for p in data.rglob("*") if p.is_file()]
+        assert not any(KEY.encode() in p.read_bytes() for p in files)
+    finally:
         server.stop()
