@@ -518,12 +518,30 @@ def _exp_le0(x):
 
 
 @njit(cache=True, inline="always", fastmath=_FAST)
-def _softmax_in_place(x, scale):
-    """x (n >= 1,) float32 scores -> softmax(scale * x), in place."""
-    top = -np.inf
-    for c in range(x.shape[0]):
+def _max_f32(x):
+    """max of x (n >= 1,) float32, in 16 independent lanes: a running max is a chain of dependent
+    compares that does not vectorize (fastmath here does not assume "no NaN", which LLVM needs to
+    reorder a max reduction), four times the cost of the exponentials after it."""
+    n = x.shape[0]
+    lanes = np.full(16, -np.inf, np.float32)
+    n16 = n - n % 16
+    for c in range(0, n16, 16):
+        for i in range(16):
+            v = x[c + i]
+            lanes[i] = v if v > lanes[i] else lanes[i]
+    top = np.float32(-np.inf)
+    for i in range(16):
+        top = max(top, lanes[i])
+    for c in range(n16, n):
         top = max(top, x[c])
-    top *= scale
+    return top
+
+
+@njit(cache=True, inline="always", fastmath=_FAST)
+def _softmax_in_place(x, scale):
+    """x (n >= 1,) float32 scores -> softmax(scale * x), in place, in float32 throughout (a
+    float64 maximum would turn the exponentials' loop into float64 arithmetic, twice as slow)."""
+    top = _max_f32(x) * scale
     total = np.float32(0.0)
     for c in range(x.shape[0]):
         e = _exp_le0(x[c] * scale - top)
@@ -624,6 +642,25 @@ def _fma_into(builder, acc_ptr, a, x):
     builder.store(builder.fadd(builder.load(acc_ptr), prod, flags=CONTRACT), acc_ptr)
 
 
+def _transpose_sum(v, vecs):
+    """16 <16 x float> -> one <16 x float> whose lane t is the sum of vecs[t]'s lanes: four levels
+    of pairing, each adding the low and high halves of every vector's partial sums (45 shuffles
+    and adds for 16 sums, where one horizontal sum each takes 13)."""
+    b = v.b
+    width = 16  # partial sums per input vector at this level
+    while len(vecs) > 1:
+        per_vec = 16 // width  # inputs summarized in each vector
+        lo, hi = [], []
+        for src in (0, 16):  # lanes of the first, then the second vector of the pair
+            for j in range(per_vec):
+                lo += [src + j * width + i for i in range(width // 2)]
+                hi += [src + j * width + width // 2 + i for i in range(width // 2)]
+        vecs = [b.fadd(b.shuffle_vector(x, y, v.civ(lo)), b.shuffle_vector(x, y, v.civ(hi)))
+                for x, y in zip(vecs[0::2], vecs[1::2])]
+        width //= 2
+    return vecs[0]
+
+
 def _make_tile_scores(n_q):
     """Intrinsic scores(bits, tile_addr, n_tokens, qs, sc, group, out): for k < n_q, t < n_tokens,
     out[k, t] = Σ_g sc[t, g]*Σ_{d in group g} qs[k, d]*code[t, d], groups of `group` channels (a
@@ -660,6 +697,7 @@ def _make_tile_scores(n_q):
                         _fma_into(builder, acc, v.load(qs_p, builder.add(off, _i64(64 * half)), vf), x)
 
             parts = [cgutils.alloca_once(builder, vf) for _ in range(n_q)]
+            pending = [cgutils.alloca_once(builder, vf, size=16) for _ in range(n_q)]  # 16 tokens' lanes per query
             per_group = builder.sdiv(group, _i64(SCORE_CHUNK))
 
             def emit(b):
@@ -677,9 +715,23 @@ def _make_tile_scores(n_q):
                         s = v.splat(v.load(sc_p, sc_off, F32, align=4), 16)
                         for acc, part in zip(accs, parts):
                             _fma_into(builder, acc, s, builder.load(part))
+                    # each token's 16 lanes wait in `pending` until 16 tokens are there, then
+                    # one transposing sum gives the 16 scores in one vector
+                    slot = builder.and_(tok.index, _i64(15))
                     for k, acc in enumerate(accs):
-                        off = builder.mul(builder.add(builder.mul(out_cols, _i64(k)), tok.index), _i64(4))
-                        v.store(v.hsum(builder.load(acc)), out_p, off)
+                        builder.store(builder.load(acc), builder.gep(pending[k], [slot]))
+                    with builder.if_then(builder.icmp_signed("==", slot, _i64(15))):
+                        t0 = builder.sub(tok.index, _i64(15))
+                        for k in range(n_q):
+                            sums = _transpose_sum(v, [builder.load(builder.gep(pending[k], [_i64(i)])) for i in range(16)])
+                            v.store(sums, out_p, builder.mul(builder.add(builder.mul(out_cols, _i64(k)), t0), _i64(4)))
+                rest = builder.and_(n_tok, _i64(15))  # the last tokens when n_tokens % 16 != 0
+                first = builder.sub(n_tok, rest)
+                with cgutils.for_range(builder, rest) as i:
+                    for k in range(n_q):
+                        lanes = builder.load(builder.gep(pending[k], [i.index]))
+                        off = builder.mul(builder.add(builder.mul(out_cols, _i64(k)), builder.add(first, i.index)), _i64(4))
+                        v.store(v.hsum(lanes), out_p, off)
 
             _for_each_width(builder, bits_v, emit)
             return context.get_dummy_value()
