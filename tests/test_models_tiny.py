@@ -125,6 +125,28 @@ def test_weight_store_reads_block_types_row_by_row(tmp_path, qtype):
     assert np.isfinite(lin.weight).all()
 
 
+@pytest.mark.parametrize("dim", [5, 8, 64, 129, 256, 576, 640, 960, 2048, 3072])
+def test_compiled_rms_norm_is_the_numpy_expression_bit_for_bit(dim):
+    """rms_norm runs float32 rows through one compiled call that reproduces numpy's pairwise sum;
+    it must equal the numpy expression exactly (the numpy path serves other dtypes and layouts),
+    for one row (decode), many rows (prefill) and per-head norms (T, H, D)."""
+    from engine.models import base
+
+    rng = np.random.default_rng(dim)
+    weight = rng.standard_normal(dim).astype(np.float32)
+    for shape in [(1, dim), (7, dim), (3, 4, dim)]:
+        x = (rng.standard_normal(shape) * rng.uniform(0.01, 300)).astype(np.float32)
+        ms = np.add.reduce(np.square(x), axis=-1, keepdims=True) / np.float32(dim)
+        expected = x * (1.0 / np.sqrt(ms + np.float32(1e-6))) * weight
+        got = base.rms_norm(x, weight, 1e-6)
+        assert got.dtype == np.float32 and got.shape == x.shape
+        np.testing.assert_array_equal(got, expected)
+    strided = np.asfortranarray(rng.standard_normal((6, dim)).astype(np.float32))  # the numpy path
+    ms = np.add.reduce(np.square(strided), axis=-1, keepdims=True) / np.float32(dim)
+    np.testing.assert_array_equal(base.rms_norm(strided, weight, 1e-6),
+                                  strided * (1.0 / np.sqrt(ms + np.float32(1e-6))) * weight)
+
+
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 48, 256])
 def test_rope_of_one_token_is_the_numpy_rotation_bit_for_bit(neox, head_dim):
