@@ -12,10 +12,11 @@ the attention arithmetic each sequence sees is the arithmetic of the same call m
 
 Whether the whole pass equals each sequence's own pass depends on the linear layers computing
 each row of x independently of the others: `weights.QuantLinear`'s fused kernels do so for up to
-MATVEC_MAX_ROWS rows; BLAS (the path for more rows) sums each row in an order that does not
-depend on how many rows there are, but differently from the fused kernels. So a decode batch is
-exact up to MATVEC_MAX_ROWS sequences, and a prefill batch when every sequence's chunk alone
-would also have gone through BLAS (the scheduler's rule, `serve.scheduler`).
+MATVEC_MAX_ROWS rows; BLAS (the path for more rows) sums each row of a large enough product in
+an order that does not depend on how many rows there are, but differently from the fused
+kernels and from its own small-product paths. So a decode batch is exact up to MATVEC_MAX_ROWS
+sequences, and a prefill batch when every sequence's chunk alone would also have taken BLAS's
+large-product path (the scheduler's rule, `serve.scheduler.min_batched_chunk`).
 """
 
 from __future__ import annotations
@@ -159,11 +160,10 @@ class DecodeBatch(SequenceBatch):
 
 
 class PrefillBatch(SequenceBatch):
-    """n sequences' caches, a chunk of counts[i] prompt tokens each, for one
-    `model.forward(concatenated chunks, batch, last row indices)`; `last_rows` are the indices of
-    each sequence's last row in the batch's tokens (logits_for of the sequences that need them)."""
+    """n sequences' caches, a chunk of counts[i] prompt tokens each, for one pass over the
+    concatenated chunks; `last_rows` are the rows of each sequence's last token (where its
+    next-token logits come from)."""
 
-    def last_rows(self, which=None) -> np.ndarray:
-        """Row index of the last token of each sequence (or of the sequences `which` lists)."""
-        ends = self.bounds[1:] - 1
-        return ends if which is None else ends[np.asarray(which, dtype=np.int64)]
+    def last_rows(self) -> np.ndarray:
+        """(n,) index of each sequence's last row in the batch's tokens."""
+        return self.bounds[1:] - 1

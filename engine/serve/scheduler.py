@@ -14,7 +14,7 @@ One turn of the loop:
        cached prefix of its prompt (the prefix cache), the rest is left to prefill
     3. one prefill step: the next chunk of the oldest admitted job still prefilling, with the
        next chunks of the prefilling jobs admitted after it while they fit in `prefill_chunk`
-       tokens in all (PREFILL_BATCH_* below), in one forward pass (`kv.batch.PrefillBatch`: the
+       tokens in all (min_batched_chunk below), in one forward pass (`kv.batch.PrefillBatch`: the
        linear layers see every chunk's rows, one pass over the weights; attention per sequence),
        so that prompts arriving together stall the running streams once, not once each. Chunks
        between decode steps keep running streams flowing; a job's last chunk samples its first
@@ -69,11 +69,8 @@ DECODE_GROUP = QuantLinear.MATVEC_MAX_ROWS
 #   output values (rows x output features). Past that, a row's sums do not depend on how many
 #   rows there are. The narrowest layers are the K and V projections (n_kv_heads x head_dim
 #   features); SMALL_GEMM_OUTPUTS leaves a margin above that bound.
-# A shorter chunk is prefilled by itself, as before batching. A batch also holds at most
-# MATVEC_MAX_ROWS sequences: the output layer then gets at most that many last rows, each computed
-# by the fused kernels exactly as the one "last" row of the sequence's own pass.
+# A shorter chunk is prefilled by itself, as before batching.
 SMALL_GEMM_OUTPUTS = 2048
-PREFILL_BATCH_MAX_SEQUENCES = QuantLinear.MATVEC_MAX_ROWS
 
 
 def min_batched_chunk(model) -> int:
@@ -375,7 +372,7 @@ class Scheduler:
         sequence, and when its chunk may be batched (`min_batched_chunk` tokens or more), the
         next ones in admission order whose chunks may be batched too, while the chunks fit in
         `prefill_chunk` tokens together (a sequence whose chunk does not fit ends the group: no
-        later one overtakes it) and the group has at most PREFILL_BATCH_MAX_SEQUENCES."""
+        later one overtakes it)."""
         prefilling = [s for s in self._running if s.prefilling]
         if not prefilling:
             return []
@@ -385,8 +382,6 @@ class Scheduler:
             return group
         budget = self.limits.prefill_chunk - group[0][1]
         for seq in prefilling[1:]:
-            if len(group) >= PREFILL_BATCH_MAX_SEQUENCES:
-                break
             n = self._chunk_of(seq)
             if n < self.min_batched_chunk:
                 continue  # prefilled alone when it is the oldest
