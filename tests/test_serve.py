@@ -82,10 +82,12 @@ def test_models_health_and_metrics(tiny):
     text = httpx.get(tiny.url + "/metrics").text
     for name in ("omlx_requests_total", "omlx_generated_tokens_total", "omlx_ttft_seconds_bucket",
                  "omlx_kv_bytes_in_use", "omlx_kv_bytes_capacity", "omlx_prefix_cache_hit_ratio",
-                 "omlx_queue_length"):
+                 "omlx_queue_length", "omlx_prefill_batch_size_bucket", "omlx_prefilled_tokens_total",
+                 "omlx_prefill_seconds_total"):
         assert name in text
     assert metric(tiny, "omlx_ttft_seconds_count") >= 1
     assert metric(tiny, "omlx_kv_bytes_capacity") > 0
+    assert metric(tiny, "omlx_prefill_batch_size_count") >= 1 and metric(tiny, "omlx_prefilled_tokens_total") > 0
 
 
 def test_chat_streams_a_role_chunk_deltas_a_finish_reason_and_usage(tiny):

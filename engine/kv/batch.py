@@ -1,13 +1,22 @@
-"""Several sequences decoded in one forward pass (continuous batching, `engine.serve`).
+"""Several sequences in one forward pass (continuous batching, `engine.serve`).
 
-`DecodeBatch` is a KVCache over n sequences that each append one token. The model runs its
-usual `hidden` over the (n,) new tokens, so every linear layer gets (n, dim) rows: one pass over
-the weights for the whole batch. Row i's position is sequence i's own offset (`positions`), and
-each layer's attention is done per sequence, row i against sequence i's layer cache, through
-that cache's own decode path: the arithmetic each row sees is the arithmetic of the sequence
-decoded alone, as long as the linear layers compute each row of x independently of the others
-(`weights.QuantLinear`'s fused kernels for up to MATVEC_MAX_ROWS rows; larger batches go through
-BLAS, whose rounding may differ in the last bits).
+A `SequenceBatch` is a KVCache over n sequences that each append their own number of new tokens:
+the model runs its usual `hidden` over the concatenated (sum of n_i,) tokens, so every linear
+layer gets all their rows at once, one pass over the weights for the whole batch. The rows of
+sequence i get sequence i's own positions (`positions`), and each layer's attention is done per
+sequence, sequence i's rows against sequence i's layer cache, through that cache's own `attend`:
+the attention arithmetic each sequence sees is the arithmetic of the same call made alone.
+
+    DecodeBatch    one new token per sequence (a decode step)
+    PrefillBatch   a chunk of each sequence's prompt (several prompts prefilled together)
+
+Whether the whole pass equals each sequence's own pass depends on the linear layers computing
+each row of x independently of the others: `weights.QuantLinear`'s fused kernels do so for up to
+MATVEC_MAX_ROWS rows; BLAS (the path for more rows) sums each row of a large enough product in
+an order that does not depend on how many rows there are, but differently from the fused
+kernels and from its own small-product paths. So a decode batch is exact up to MATVEC_MAX_ROWS
+sequences, and a prefill batch when every sequence's chunk alone would also have taken BLAS's
+large-product path (the scheduler's rule, `serve.scheduler.min_batched_chunk`).
 """
 
 from __future__ import annotations
@@ -18,26 +27,29 @@ from ..errors import ContextFull, KVPoolFull
 from .cache import KVCache, LayerKVCache
 
 
-class DecodeBatchLayer(LayerKVCache):
-    """One layer of a DecodeBatch: row i of q, k, v goes to sequence i's layer cache."""
+class BatchLayer(LayerKVCache):
+    """One layer of a SequenceBatch: rows bounds[i]:bounds[i+1] of q, k, v go to sequence i's
+    layer cache."""
 
-    def __init__(self, layers: list[LayerKVCache]):
+    def __init__(self, layers: list[LayerKVCache], bounds: np.ndarray):
         self.layers = layers
+        self.bounds = bounds  # (n+1,) row offsets of each sequence's rows
 
     @property
-    def offset(self) -> int:  # pragma: no cover - positions come from DecodeBatch.positions
-        raise TypeError("a decode batch has one offset per sequence (use DecodeBatch.positions)")
+    def offset(self) -> int:  # pragma: no cover - positions come from SequenceBatch.positions
+        raise TypeError("a batch has one offset per sequence (use its positions)")
 
     def attend(self, q, k, v, *, scale, window):
-        n, H, _ = q.shape
-        if n != len(self.layers):
-            raise ValueError(f"{n} query rows for a batch of {len(self.layers)} sequences")
+        T, H, _ = q.shape
+        if T != self.bounds[-1]:
+            raise ValueError(f"{T} query rows for a batch of {self.bounds[-1]} new tokens")
         out = None
         for i, layer in enumerate(self.layers):
-            o = layer.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], scale=scale, window=window)  # (1, H, Dv)
+            a, b = self.bounds[i], self.bounds[i + 1]
+            o = layer.attend(q[a:b], k[a:b], v[a:b], scale=scale, window=window)  # (b - a, H, Dv)
             if out is None:
-                out = np.empty((n, H, o.shape[-1]), np.float32)
-            out[i] = o[0]
+                out = np.empty((T, H, o.shape[-1]), np.float32)
+            out[a:b] = o
         return out
 
     @property
@@ -45,61 +57,78 @@ class DecodeBatchLayer(LayerKVCache):
         return sum(layer.nbytes for layer in self.layers)
 
     def trim(self, n: int) -> None:
-        raise TypeError("trim the sequences of a decode batch one by one")
+        raise TypeError("trim the sequences of a batch one by one")
 
 
-class DecodeBatch(KVCache):
-    """n sequences' caches, one new token each, for one `model.forward(tokens (n,), batch, "all")`.
+class SequenceBatch(KVCache):
+    """n sequences' caches appending counts[i] new tokens each, for one
+    `model.forward(tokens (sum(counts),), batch, ...)` whose tokens are sequence 0's, then
+    sequence 1's, and so on.
 
-    `begin_forward` first checks that every sequence has room for its token (its context limit
+    `begin_forward` first checks that every sequence has room for its tokens (its context limit
     and its layers' pools, evicting unused cached blocks when the pools are shared), so that a
     failure (ContextFull, KVPoolFull) leaves every sequence unchanged; then each sequence's own
-    `begin_forward` records its token. `end_forward` runs each sequence's (publishing the blocks
+    `begin_forward` records its tokens. `end_forward` runs each sequence's (publishing the blocks
     that filled up to the prefix cache)."""
 
-    def __init__(self, caches: list[KVCache]):
+    def __init__(self, caches: list[KVCache], counts):
         if not caches:
-            raise ValueError("a decode batch needs at least one sequence")
+            raise ValueError("a batch needs at least one sequence")
+        counts = [int(n) for n in counts]
+        if len(counts) != len(caches):
+            raise ValueError(f"{len(counts)} token counts for {len(caches)} sequences")
+        if any(n < 1 for n in counts):
+            raise ValueError(f"every sequence of a batch appends at least one token, not {counts}")
         n_layers = len(caches[0])
         if any(len(c) != n_layers for c in caches):
-            raise ValueError("the sequences of a decode batch must have the same layers")
-        super().__init__([DecodeBatchLayer([c[i] for c in caches]) for i in range(n_layers)])
+            raise ValueError("the sequences of a batch must have the same layers")
+        self.bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        super().__init__([BatchLayer([c[i] for c in caches], self.bounds) for i in range(n_layers)])
         self.caches = caches
+        self.counts = counts
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.bounds[-1])
+
+    def _check_tokens(self, n_tokens: int) -> None:
+        if n_tokens != self.n_tokens:
+            raise ValueError(f"{n_tokens} tokens for a batch of {self.n_tokens} new tokens "
+                             f"({', '.join(map(str, self.counts))} per sequence)")
 
     def positions(self, n_tokens: int) -> np.ndarray:
-        if n_tokens != len(self.caches):
-            raise ValueError(f"{n_tokens} tokens for a batch of {len(self.caches)} sequences (one each)")
-        return np.array([c.offset for c in self.caches], dtype=np.int64)
+        self._check_tokens(n_tokens)
+        return np.concatenate([c.offset + np.arange(n) for c, n in zip(self.caches, self.counts)])
 
     @property
     def offset(self) -> int:
-        raise TypeError("a decode batch has one offset per sequence (use positions)")
+        raise TypeError("a batch has one offset per sequence (use positions)")
 
     def begin_forward(self, tokens: np.ndarray) -> None:
-        if len(tokens) != len(self.caches):
-            raise ValueError(f"{len(tokens)} tokens for a batch of {len(self.caches)} sequences (one each)")
-        for cache in self.caches:
-            if cache.limit is not None and not cache.can_drop and cache.offset + 1 > cache.limit:
-                raise ContextFull(f"a sequence of the batch is at its context limit of {cache.limit:,} tokens")
+        self._check_tokens(len(tokens))
+        for cache, n in zip(self.caches, self.counts):
+            if cache.limit is not None and not cache.can_drop and cache.offset + n > cache.limit:
+                raise ContextFull(f"a sequence of the batch cannot take {n} more tokens: "
+                                  f"{cache.offset:,} of its context limit of {cache.limit:,} are used")
         self._reserve()  # nothing changes until every sequence has room
-        for cache, token in zip(self.caches, tokens):
-            cache.begin_forward(np.asarray([token]))
+        for i, cache in enumerate(self.caches):
+            cache.begin_forward(np.asarray(tokens[self.bounds[i] : self.bounds[i + 1]]))
 
     def _reserve(self) -> None:
-        """Room for one token in every sequence at once: the blocks the sequences over one pool
-        need together (a shared pool must have all of them free, not each one's alone).
+        """Room for every sequence's tokens at once: the blocks the sequences over one pool need
+        together (a shared pool must have all of them free, not each one's alone).
 
         Raises:
             KVPoolFull: naming the layer whose pool is short.
         """
         needs: dict[int, list] = {}  # id(pool) -> [pool, blocks needed, layer index, prefix cache]
-        for cache in self.caches:
+        for cache, n_new in zip(self.caches, self.counts):
             pools = getattr(cache, "pools", None)
             if pools is None:
                 continue  # a plain cache grows without a pool
             for i, (pool, layer) in enumerate(zip(pools, cache.layers)):
                 entry = needs.setdefault(id(pool), [pool, 0, i, getattr(cache, "prefix_cache", None)])
-                entry[1] += layer.blocks_needed(1)
+                entry[1] += layer.blocks_needed(n_new)
         short = [e for e in needs.values() if e[1] > e[0].n_free]
         for pool, n, layer, prefix_cache in short:
             if prefix_cache is not None:
@@ -111,3 +140,30 @@ class DecodeBatch(KVCache):
     def end_forward(self) -> None:
         for cache in self.caches:
             cache.end_forward()
+
+
+class DecodeBatch(SequenceBatch):
+    """n sequences' caches, one new token each, for one `model.forward(tokens (n,), batch, "all")`."""
+
+    def __init__(self, caches: list[KVCache]):
+        if not caches:
+            raise ValueError("a decode batch needs at least one sequence")
+        super().__init__(caches, [1] * len(caches))
+
+    def _check_tokens(self, n_tokens: int) -> None:
+        if n_tokens != len(self.caches):
+            raise ValueError(f"{n_tokens} tokens for a batch of {len(self.caches)} sequences (one each)")
+
+    def positions(self, n_tokens: int) -> np.ndarray:
+        self._check_tokens(n_tokens)
+        return np.array([c.offset for c in self.caches], dtype=np.int64)
+
+
+class PrefillBatch(SequenceBatch):
+    """n sequences' caches, a chunk of counts[i] prompt tokens each, for one pass over the
+    concatenated chunks; `last_rows` are the rows of each sequence's last token (where its
+    next-token logits come from)."""
+
+    def last_rows(self) -> np.ndarray:
+        """(n,) index of each sequence's last row in the batch's tokens."""
+        return self.bounds[1:] - 1

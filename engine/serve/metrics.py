@@ -9,7 +9,7 @@ import threading
 from collections import Counter as _Tally
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # sequences per decode step
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # sequences per decode (or prefill) step
 
 _lock = threading.Lock()
 
@@ -65,6 +65,9 @@ class Metrics:
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.batch_size = _Histogram(BATCH_BUCKETS)
         self.decode_seconds = _Value()
+        self.prefill_batch_size = _Histogram(BATCH_BUCKETS)
+        self.prefill_seconds = _Value()
+        self.prefilled_tokens = _Value()
 
     def request(self, endpoint: str, status: int) -> None:
         with _lock:
@@ -77,6 +80,12 @@ class Metrics:
     def observe_step(self, n_sequences: int, seconds: float) -> None:
         self.batch_size.observe(n_sequences)
         self.decode_seconds.inc(seconds)
+
+    def observe_prefill(self, n_sequences: int, n_tokens: int, seconds: float) -> None:
+        """One prefill step: chunks of n_sequences prompts, n_tokens in all, in one forward pass."""
+        self.prefill_batch_size.observe(n_sequences)
+        self.prefilled_tokens.inc(n_tokens)
+        self.prefill_seconds.inc(seconds)
 
     def render(self) -> str:
         lines: list[str] = []
@@ -123,5 +132,10 @@ class Metrics:
                    [((), self.kv_bytes_capacity.value)])
             metric("omlx_decode_seconds_total", "counter", "time in decode steps", [((), self.decode_seconds.value)])
             histogram("omlx_ttft_seconds", "request arrival to first token", self.ttft)
+            metric("omlx_prefill_seconds_total", "counter", "time in prefill steps", [((), self.prefill_seconds.value)])
+            metric("omlx_prefilled_tokens_total", "counter", "prompt tokens prefilled (not from the prefix cache)",
+                   [((), self.prefilled_tokens.value)])
             histogram("omlx_decode_batch_size", "sequences per decode step", self.batch_size)
+            histogram("omlx_prefill_batch_size", "sequences whose prompt chunks one prefill step runs together",
+                      self.prefill_batch_size)
         return "\n".join(lines) + "\n"

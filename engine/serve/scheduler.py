@@ -12,8 +12,13 @@ One turn of the loop:
     2. admit waiting jobs in arrival order while there is a free slot (`max_batch` sequences)
        and the KV budget holds their worst case (below); an admitted job starts on the longest
        cached prefix of its prompt (the prefix cache), the rest is left to prefill
-    3. prefill one chunk of the oldest admitted job still prefilling (chunks between decode
-       steps keep running streams flowing); its last chunk samples its first token
+    3. one prefill step: the next chunk of the oldest admitted job still prefilling, with the
+       next chunks of the prefilling jobs admitted after it while they fit in `prefill_chunk`
+       tokens in all (min_batched_chunk below), in one forward pass (`kv.batch.PrefillBatch`: the
+       linear layers see every chunk's rows, one pass over the weights; attention per sequence),
+       so that prompts arriving together stall the running streams once, not once each. Chunks
+       between decode steps keep running streams flowing; a job's last chunk samples its first
+       token
     4. one decode step for every sequence past prefill: their tokens go through the model
        together (`kv.batch.DecodeBatch`: the linear layers see one row per sequence, one pass over
        the weights for up to DECODE_GROUP sequences), each samples its next token; finished
@@ -40,7 +45,7 @@ import numpy as np
 
 from ..engine import Engine
 from ..errors import ContextFull, EngineError, KVPoolFull, OmlxError
-from ..kv.batch import DecodeBatch
+from ..kv.batch import DecodeBatch, PrefillBatch
 from ..memory import release_free_heap
 from ..sampling import Sampler, SamplingParams, StopStringMatcher
 from ..weights import QuantLinear
@@ -54,6 +59,24 @@ IDLE_WAIT_S = 0.05  # how long an idle engine thread sleeps before looking at qu
 # same alone or in a batch). A larger batch is decoded in several passes of this many rows; BLAS
 # (the path for more rows) would round differently.
 DECODE_GROUP = QuantLinear.MATVEC_MAX_ROWS
+# Prefill batches. A sequence's chunk joins another's forward pass only when the chunk alone
+# would be multiplied by the same kernels as inside the batch, so that its rows come out
+# bit-identical (greedy output the same as prefilled alone):
+# - more than MATVEC_MAX_ROWS rows: fewer go through the fused matvec kernels, which round
+#   differently from the dequantized tiles + BLAS that the batch's many rows take;
+# - and enough rows that no linear layer's product is "small" for OpenBLAS (numpy's BLAS), which
+#   takes other code paths, summing in another order, for products of up to about a thousand
+#   output values (rows x output features). Past that, a row's sums do not depend on how many
+#   rows there are. The narrowest layers are the K and V projections (n_kv_heads x head_dim
+#   features); SMALL_GEMM_OUTPUTS leaves a margin above that bound.
+# A shorter chunk is prefilled by itself, as before batching.
+SMALL_GEMM_OUTPUTS = 2048
+
+
+def min_batched_chunk(model) -> int:
+    """The fewest tokens a sequence's prefill chunk needs to join a batch (see above)."""
+    narrowest = model.n_kv_heads * min(model.head_dim, model.value_dim)
+    return max(QuantLinear.MATVEC_MAX_ROWS + 1, -(-SMALL_GEMM_OUTPUTS // narrowest))
 
 
 class QueueTimeout(OmlxError):
@@ -110,7 +133,8 @@ class Job:
 class ServeLimits:
     """Scheduler settings: `ctx` tokens per sequence (prompt + generated), at most `max_batch`
     sequences at once, `kv_tokens` tokens per layer pool (None: max_batch × ctx), waiting at most
-    `queue_timeout` seconds for room, prompts prefilled `prefill_chunk` tokens at a time."""
+    `queue_timeout` seconds for room, at most `prefill_chunk` prompt tokens per prefill step (one
+    sequence's chunk, or the chunks of several sequences prefilled together)."""
 
     ctx: int
     max_batch: int = 8
@@ -172,6 +196,7 @@ class Scheduler:
         self.kv_tokens = limits.kv_tokens or limits.max_batch * limits.ctx
         engine.prefix_capacity_tokens = self.kv_tokens
         self.block_size = engine.kv_config.block_size
+        self.min_batched_chunk = min_batched_chunk(engine.model)
         self.max_blocks = -(-self.kv_tokens // self.block_size)
         self._inbox: deque[Job] = deque()
         self._calls: deque[tuple[Callable, list, threading.Event]] = deque()
@@ -337,24 +362,89 @@ class Scheduler:
             if seq.job.cancelled.is_set():
                 self._finish(seq, "cancelled")
 
+    def _chunk_of(self, seq: _Sequence) -> int:
+        """Tokens of `seq`'s next prefill chunk: the same however many sequences prefill, so that
+        a prompt is cut at the same places (and computed the same way) alone or in a batch."""
+        return min(self.limits.prefill_chunk, self.engine._chunk_size(seq.cache), len(seq.pending))
+
+    def _prefill_group(self) -> list[tuple[_Sequence, int]]:
+        """The sequences of the next prefill step with their chunk sizes: the oldest prefilling
+        sequence, and when its chunk may be batched (`min_batched_chunk` tokens or more), the
+        next ones in admission order whose chunks may be batched too, while the chunks fit in
+        `prefill_chunk` tokens together (a sequence whose chunk does not fit ends the group: no
+        later one overtakes it)."""
+        prefilling = [s for s in self._running if s.prefilling]
+        if not prefilling:
+            return []
+        first = prefilling[0]
+        group = [(first, self._chunk_of(first))]
+        if group[0][1] < self.min_batched_chunk:
+            return group
+        budget = self.limits.prefill_chunk - group[0][1]
+        for seq in prefilling[1:]:
+            n = self._chunk_of(seq)
+            if n < self.min_batched_chunk:
+                continue  # prefilled alone when it is the oldest
+            if n > budget:
+                break
+            group.append((seq, n))
+            budget -= n
+        return group
+
     def _prefill_step(self) -> bool:
         self._drop_cancelled()
-        seq = next((s for s in self._running if s.prefilling), None)
-        if seq is None:
+        group = self._prefill_group()
+        if not group:
             return False
-        step = min(self.limits.prefill_chunk, self.engine._chunk_size(seq.cache))
-        chunk, seq.pending = seq.pending[:step], seq.pending[step:]
-        last = not seq.pending
+        t0 = time.perf_counter()
+        if len(group) == 1:
+            prefilled = self._prefill_alone(*group[0])
+        else:
+            try:
+                prefilled = self._prefill_batch(group)
+            except (ContextFull, KVPoolFull):  # nothing changed: each alone, so that only the one
+                prefilled = sum(self._prefill_alone(seq, n) for seq, n in group)  # short of room fails
+        release_free_heap()  # the chunks' temporaries: not resident while the next step runs
+        self.metrics.observe_prefill(len(group), prefilled, time.perf_counter() - t0)
+        return True
+
+    def _prefill_alone(self, seq: _Sequence, n: int) -> int:
+        """Prefill the next n prompt tokens of `seq` by themselves; returns the tokens prefilled
+        (0 when the sequence failed)."""
+        chunk = seq.pending[:n]
+        last = n == len(seq.pending)
         try:
             out = self.engine.model.forward(np.asarray(chunk, np.int64), seq.cache,
                                             "last" if last else np.empty(0, np.int64))
         except (ContextFull, KVPoolFull) as exc:  # admission makes these unreachable; kept exact
             self._fail(seq, exc)
-            return True
-        release_free_heap()  # the chunk's temporaries: not resident while the next step runs
+            return 0
+        del seq.pending[:n]
         if last:
             self._advance(seq, out[0])
-        return True
+        return n
+
+    def _prefill_batch(self, group: list[tuple[_Sequence, int]]) -> int:
+        """One forward pass over the next chunk of every sequence of `group`; the sequences whose
+        prompt ends in it sample their first token. Returns the tokens prefilled. ContextFull and
+        KVPoolFull leave every sequence unchanged (PrefillBatch.begin_forward checks them all
+        before any changes).
+
+        `model.forward`'s steps, with the output layer run on each finishing sequence's last row
+        by itself, as `forward(..., "last")` runs it on a sequence prefilled alone: several rows
+        at once may be summed differently (a dense output matrix goes through BLAS)."""
+        model = self.engine.model
+        batch = PrefillBatch([seq.cache for seq, _ in group], [n for _, n in group])
+        tokens = np.concatenate([np.asarray(seq.pending[:n], np.int64) for seq, n in group])
+        batch.begin_forward(tokens)
+        h = model.hidden(tokens, batch)  # (batch.n_tokens, dim)
+        batch.end_forward()
+        finishing = [(seq, row) for (seq, n), row in zip(group, batch.last_rows()) if n == len(seq.pending)]
+        for seq, n in group:
+            del seq.pending[:n]
+        for seq, row in finishing:
+            self._advance(seq, model.output(h[row : row + 1])[0])
+        return batch.n_tokens
 
     def _decode_step(self) -> bool:
         self._drop_cancelled()
