@@ -92,12 +92,12 @@ def summarise(data, rule: str) -> np.ndarray:
     if rule.startswith("seg"):
         s = int("".join(c for c in rule[3:] if c.isdigit()))
         how = rule[3 + len(str(s)):]
-        Tg = kl_tok.shape[1]
-        edges = np.linspace(0, Tg, s + 1).astype(int)
+        gain_edges = np.linspace(0, kl_tok.shape[1], s + 1).astype(int)
+        local_edges = np.linspace(0, energy.shape[-1], s + 1).astype(int)
         per = []
-        for a, b in zip(edges[:-1], edges[1:]):
+        for a, b, c, d in zip(gain_edges[:-1], gain_edges[1:], local_edges[:-1], local_edges[1:]):
             g = np.maximum(kl_tok[:, a:b].sum(1) / np.maximum(e_tok[:, a:b].sum(1), 1e-30), 0)
-            per.append(g[:, None, None] * energy[..., a:b].mean(-1))
+            per.append(g[:, None, None] * energy[..., c:d].mean(-1))
         per = np.stack(per, -1)
         if how == "max":
             return per.max(-1)
