@@ -1,5 +1,5 @@
 """kv-tune's sensitivity measurement kept per token, so that different ways of summarising it
-(mean over the text as kv-tune does, per-segment quantiles, shrinkage) can be compared without
+(mean over the text as kv-tune does, shorter prefixes, per-segment quantiles) can be compared without
 measuring again; then each summary's widths at the bytes of K4V4 and K6V4, evaluated on held-out
 texts.
 
