@@ -561,6 +561,12 @@ def cmd_kv_tune(args) -> int:
     args.kv = "full"
     _check_fit(path, args, kv="full")
     engine = Engine.load(path, kv="full")
+    windows = [w for w in engine.model.kv_geometry.windows if w is not None]
+    if windows and not args.ctx:  # stderr: --json keeps stdout one object
+        print(f"note: {len(windows)} of {engine.model.n_layers} layers keep only the last {min(windows):,} tokens "
+              "(sliding window); without --ctx the bytes are counted per stored token, as if those layers "
+              "held every token, which overprices them: give --ctx with the context the budget is for",
+              file=sys.stderr)
     text_path = Path(args.text_file) if args.text_file else kvtune.DEFAULT_CALIBRATION_TEXT
     tokens = kvtune.calibration_tokens(engine, text_path.read_text(encoding="utf-8"), args.n_tokens)
     report = _progress_printer()
@@ -828,7 +834,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--bits-per-value", type=float, metavar="X",
                         help="X stored bits per K/V value on average, scales included")
     budget.add_argument("--budget-bytes", type=int, metavar="N", help="N bytes of KV at --ctx tokens")
-    p.add_argument("--ctx", type=int, help="count bytes at this many tokens (sliding-window layers hold fewer)")
+    p.add_argument("--ctx", type=int, help="count bytes at this many tokens (sliding-window layers hold fewer; "
+                                          "without it, per stored token)")
     p.add_argument("--text-file", help="calibration text (default: the one in resources/kvtune)")
     p.add_argument("--n-tokens", type=int, default=512, help="calibration tokens (default 512)")
     p.add_argument("--no-verify", action="store_true", help="skip the evaluation of the chosen spec")

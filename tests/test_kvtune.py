@@ -155,6 +155,23 @@ def test_cli_json(tmp_path, capsys):
     assert "--ctx" in capsys.readouterr().err
 
 
+def test_cli_notes_sliding_window_layers_without_ctx(tmp_path, capsys):
+    """Without --ctx the bytes are per stored token, which overprices sliding-window layers (a
+    Gemma3 tuned at K4V4's bytes came out larger and worse than K4V4 at 1,024 tokens): the CLI
+    says so on stderr, keeping --json's stdout one object; with --ctx it does not."""
+    model = write_tiny_model(tmp_path / "tiny-gemma3.gguf", arch="gemma3", n_layers=2, sliding_window=8)
+    text = tmp_path / "calibration.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 10)
+    argv = ["-q", "kv-tune", str(model), "--text-file", str(text), "--n-tokens", "60", "--no-verify",
+            "--budget-like", "k4v4"]
+    assert main(argv + ["--json"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)
+    assert "sliding window" in captured.err and "--ctx" in captured.err
+    assert main(argv + ["--ctx", "60"]) == 0
+    assert "sliding window" not in capsys.readouterr().err
+
+
 def test_bench_tuned_specs_fit_the_uniform_bytes(tiny_engine, monkeypatch, tmp_path):
     from engine.bench import tuned_specs
 
