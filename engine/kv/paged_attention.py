@@ -466,12 +466,13 @@ def start_warm_up(wait: bool | None = None) -> None:
     """Make the compiled paths of a decode step ready without holding up the first answer
     (`Engine.load` calls this once the model's weight kernels are ready).
 
-    wait=False (default, unless OMLX_KERNEL_WARMUP=wait): compile the small kernels every step
-    calls now, and have the thread pool and the attention kernels compiled in the background
-    (`engine.kernels.background`: batched, decode, packed-code, in that order; a first start
-    compiles them in a child process); until each is ready its calls take the exact
-    fallback (see `PagedAttention`; matvecs on the calling thread). With numba's cache filled this
-    all loads in well under a second. wait=True: everything now, before returning."""
+    wait=False (default, unless OMLX_KERNEL_WARMUP=wait): compile the one-token RoPE kernel now,
+    and have the norms, the thread pool and the attention kernels compiled in the background
+    (`engine.kernels.background`: norms, pool, batched, decode, packed-code, in that order; a
+    first start compiles them in a child process); until each is ready its calls take the exact
+    fallback (the numpy norm, see `PagedAttention`; matvecs on the calling thread). With numba's
+    cache filled this all loads in well under a second. wait=True: everything now, before
+    returning."""
     if not HAVE_NUMBA:
         return
     from ..kernels import quant_matvec
@@ -481,14 +482,18 @@ def start_warm_up(wait: bool | None = None) -> None:
         if mode not in ("background", "wait"):
             raise ValueError(f"{WARM_UP_ENV}={mode!r}: expected background or wait")
         wait = mode == "wait"
+    from ..models import base
+
     _compile_rope()
     if wait:
+        base._compile_norms()
         quant_matvec.warm_up_pool()
         warm_up_attention()
         return
     quant_matvec.defer_pool()
     kv = "engine.kernels.kv_codes"
     background.start([
+        (base.NORM_KERNELS, "engine.models.base:_compile_norms", ["engine.models.base:_rms_rows"]),
         (POOL_KERNELS, "engine.kernels.quant_matvec:warm_up_pool",
          ["engine.kernels.quant_matvec:_pool_matvec", "engine.kernels.quant_matvec:_worker_loop"]),
         (BATCHED_KERNELS, f"{__name__}:_compile_batched", [f"{kv}:masked_softmax"]),

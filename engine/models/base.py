@@ -9,7 +9,12 @@ import numpy as np
 
 from ..errors import UnsupportedModel
 from ..gguf_file import GGUFError
+from ..kernels import background
 from ..kv.cache import FullPrecisionCache, KVCache
+
+# the background group (`engine.kernels.background`) that compiles `_rms_rows` on a first start;
+# until it is ready rms_norm takes the numpy expression (the same results)
+NORM_KERNELS = "norms"
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -19,13 +24,27 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     through one compiled call (`_rms_rows`, bit-identical): the five numpy operations cost ~11 µs
     on a decode step's single row, and a step has two norms per layer."""
     if (_rms_rows is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.size
-            and x.flags.c_contiguous and weight.dtype == np.float32 and weight.shape == x.shape[-1:]):
+            and x.flags.c_contiguous and weight.dtype == np.float32 and weight.shape == x.shape[-1:]
+            and not _norms_compiling()):
         rows = x.reshape(-1, x.shape[-1])
         out = np.empty_like(rows)
         _rms_rows(rows, np.ascontiguousarray(weight), np.float32(eps), out)
         return out.reshape(x.shape)
     ms = np.add.reduce(np.square(x), axis=-1, keepdims=True) / np.float32(x.shape[-1])
     return x * (1.0 / np.sqrt(ms + np.float32(eps))) * weight
+
+
+def _norms_compiling() -> bool:
+    if background.pending(NORM_KERNELS):
+        background.count_fallback(NORM_KERNELS)
+        return True
+    return False
+
+
+def _compile_norms() -> None:
+    """Compile, or load from numba's cache, `_rms_rows` (the NORM_KERNELS group's target)."""
+    if _rms_rows is not None:
+        _rms_rows(np.ones((2, 9), np.float32), np.ones(9, np.float32), np.float32(1e-6), np.empty((2, 9), np.float32))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
