@@ -1,9 +1,11 @@
 """What the benchmarks share: the gpl-3 prompt of a given length, and prefill + decode timing of
 several KV caches in alternating windows (one spec after the other, round by round), so that load
-from other processes on this shared machine hits every spec alike."""
+from other processes on this shared machine hits every spec alike; the KV-tuning measurements'
+process CPU time and evaluation of specs on held-out texts."""
 
 from __future__ import annotations
 
+import resource
 import time
 from pathlib import Path
 
@@ -43,3 +45,20 @@ def prefill_and_decode(engine, ids: list[int], specs: list[str], n_decode: int, 
             cache.trim(n_decode)
             tokens[spec] = token
     return prefill, decode, caches
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process so far (user + system, all threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def evaluate_on_texts(engine, paths: list[str], n_tokens: int, specs: list):
+    """For each text file: (its path, `evaluate_kv` of every spec on its first n_tokens tokens, as
+    `kvtune.calibration_tokens` cuts them), one text after the other."""
+    from engine import kvtune
+    from engine.evaluate import evaluate_kv
+
+    for path in paths:
+        tokens = kvtune.calibration_tokens(engine, Path(path).read_text(encoding="utf-8"), n_tokens)
+        yield Path(path), evaluate_kv(engine, tokens, specs)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -21,10 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+from bench_common import cpu_seconds, evaluate_on_texts  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def measure(engine, tokens, gain_tokens=None):
@@ -142,8 +138,6 @@ def main(argv=None) -> int:
               f"cpu {cpu_seconds() - c0:.0f} s (energy {te:.0f}, gain {tg:.0f})")
         return 0
 
-    from engine.evaluate import evaluate_kv
-
     datas = [dict(np.load(p)) for p in args.profiles]
     model = engine.model
     costs = kvtune.model_costs(model, KVConfig(), kvtune.CANDIDATE_BITS, args.cost_ctx or None)
@@ -158,16 +152,14 @@ def main(argv=None) -> int:
             specs.append(choice.config)
             labels.append((b, rule))
     rows = []
-    for path in args.eval:
-        ev = kvtune.calibration_tokens(engine, Path(path).read_text(encoding="utf-8"), args.eval_tokens)
-        res = evaluate_kv(engine, ev, specs)
+    for path, res in evaluate_on_texts(engine, args.eval, args.eval_tokens, specs):
         base = {}
         for (b, rule), r, spec in zip(labels, res, specs):
             if rule == "uniform":
                 base[b] = r.mean_kl
-            rows.append({"model": args.model, "eval": Path(path).name, "budget": b, "rule": rule,
+            rows.append({"model": args.model, "eval": path.name, "budget": b, "rule": rule,
                          "kl": r.mean_kl, "bytes": r.kv_bytes, "ratio": r.mean_kl / base[b], "spec": str(spec)})
-            print(f"{args.model:22s} {Path(path).name:16s} {b} {rule:10s} {r.mean_kl:.5f} "
+            print(f"{args.model:22s} {path.name:16s} {b} {rule:10s} {r.mean_kl:.5f} "
                   f"{r.kv_bytes / 2**20:.2f} MiB {r.mean_kl / base[b]:.2f}x  {spec}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -22,10 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+from bench_common import cpu_seconds, evaluate_on_texts  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def main(argv=None) -> int:
@@ -43,7 +38,6 @@ def main(argv=None) -> int:
 
     from engine import catalog, kvtune
     from engine.engine import Engine
-    from engine.evaluate import evaluate_kv
     from engine.kv.config import KVConfig, parse_kv
 
     rows = []
@@ -66,17 +60,15 @@ def main(argv=None) -> int:
             choice = kvtune.choose_widths(profile.kl, costs, kvtune.budget_like(like, model, costs), like)
             pairs.append((b, choice))
             specs += [like, choice.config]
-        for path in args.eval:
-            ev = kvtune.calibration_tokens(engine, Path(path).read_text(encoding="utf-8"), args.eval_tokens)
-            res = evaluate_kv(engine, ev, specs)
+        for path, res in evaluate_on_texts(engine, args.eval, args.eval_tokens, specs):
             for i, (b, choice) in enumerate(pairs):
                 u, t = res[2 * i], res[2 * i + 1]
-                row = {"model": name, "eval": Path(path).name, "budget": b, "uniform_kl": u.mean_kl,
+                row = {"model": name, "eval": path.name, "budget": b, "uniform_kl": u.mean_kl,
                        "tuned_kl": t.mean_kl, "ratio": t.mean_kl / u.mean_kl, "uniform_bytes": u.kv_bytes,
                        "tuned_bytes": t.kv_bytes, "spec": choice.spec, "predicted": choice.predicted_kl,
                        "profile_wall": wall, "profile_cpu": cpu}
                 rows.append(row)
-                print(f"{name:24s} {Path(path).name:16s} {b}: uniform {u.mean_kl:.5f} "
+                print(f"{name:24s} {path.name:16s} {b}: uniform {u.mean_kl:.5f} "
                       f"{u.kv_bytes / 2**20:.2f} MiB | tuned {t.mean_kl:.5f} {t.kv_bytes / 2**20:.2f} MiB "
                       f"({t.mean_kl / u.mean_kl:.2f}x)  {choice.spec}", flush=True)
     if args.out:
