@@ -110,12 +110,25 @@ def test_chat_streams_a_role_chunk_deltas_a_finish_reason_and_usage(tiny):
     assert chat(c, "x", max_tokens=9, max_completion_tokens=3).usage.completion_tokens == 3
 
 
-@pytest.mark.parametrize("arch,kv", [("llama", "full"), ("llama", "k4v4"), ("gemma3", "full")])
-def test_decode_batch_rows_equal_each_sequence_decoded_alone(tmp_path, arch, kv):
+@pytest.mark.parametrize("arch,kv", [("llama", "full"), ("llama", "k4v4"), ("llama", "k6v4"), ("gemma3", "full")])
+def test_decode_batch_rows_equal_each_sequence_decoded_alone(tmp_path, monkeypatch, arch, kv):
     """The batched step's hidden states (before the output layer) are bit-identical to each
     sequence's own decode step, at different positions and over shared pools (quantized KV and
-    gemma3's sliding-window layers included)."""
+    gemma3's sliding-window layers included); the batch's attention is one call per layer for
+    all the sequences (`DecodeKernel.attend_many`)."""
     from engine.kv.batch import DecodeBatch
+    from engine.kv import paged_attention
+    from engine.kv.paged_attention import DecodeKernel
+
+    many_calls = []
+    attend_many = DecodeKernel.attend_many
+
+    def counted(self, views, **kw):
+        many_calls.append(len(views))
+        return attend_many(self, views, **kw)
+
+    monkeypatch.setattr(DecodeKernel, "attend_many", counted)
+    monkeypatch.setattr(paged_attention, "TOGETHER_MIN_TOKENS", 0)  # these short sequences too
 
     path = write_tiny_model(tmp_path / f"tiny-{arch}.gguf", arch, context_length=TINY_CTX,
                             chat_template=CHAT_TEMPLATE, weight_type=QT.Q8_0, seed=3)
@@ -145,6 +158,7 @@ def test_decode_batch_rows_equal_each_sequence_decoded_alone(tmp_path, arch, kv)
         batch.end_forward()
         assert np.array_equal(together, np.stack(alone))
     assert [s.offset for s in batch_seqs] == [s.offset for s in alone_seqs]
+    assert many_calls.count(len(prompts)) >= 40 * engine.model.n_layers  # every layer of every step
     for seq in alone_seqs + batch_seqs:
         seq.release()
 

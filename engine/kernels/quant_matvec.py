@@ -1442,6 +1442,13 @@ class _Pool:
 
     def run(self, mv: "Matvec", x: np.ndarray, out: np.ndarray) -> bool:
         """Run a matvec as a pool job; False when the caller should run it alone."""
+        return self.run_job(mv.compute, mv.raw, x, out, mv.chunk, mv.chunk * mv.raw.shape[1] * x.shape[0])
+
+    def run_job(self, fn: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, chunk: int,
+                chunk_bytes: int) -> bool:
+        """Run the rows of `raw` as a pool job by the compute function at address fn (see
+        `run_rows`); chunk_bytes: what one chunk reads, for the grace before stealing it. False
+        when the caller should run it alone."""
         if not self.lock.acquire(False):
             return False
         try:
@@ -1449,12 +1456,12 @@ class _Pool:
                 if time.monotonic() < self.serial_until:
                     return False
                 self.serial_until = 0.0
-            self._keep(mv.raw)
+            self._keep(raw)
             if self.parked:
                 self.kick()
-            grace = int(self.grace_per_byte * mv.chunk * mv.raw.shape[1] * x.shape[0])
-            _, stolen = _pool_matvec(self.ctl, self.states, mv.compute, mv.raw, x, self.x_buffer(x.size), out,
-                                     mv.chunk, grace, self.n_workers + 1)
+            grace = int(self.grace_per_byte * chunk_bytes)
+            _, stolen = _pool_matvec(self.ctl, self.states, fn, raw, x, self.x_buffer(x.size), out,
+                                     chunk, grace, self.n_workers + 1)
             self.jobs += 1
             if stolen:
                 self.steals += 1
@@ -1628,6 +1635,23 @@ class Matvec:
                 return out
         _matvec_here(self.compute, self.raw, x, out)
         return out
+
+
+def run_rows(fn: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, chunk: int, chunk_bytes: int) -> np.ndarray:
+    """A job of the pool's shape that is not a matvec: out[:, r] for each row r of `raw` by the
+    compute function at address fn (a cfunc of `_COMPUTE_SIG`, called with raw, x and out by
+    address and a range of rows), rows shared with the pool's workers in chunks of `chunk` rows
+    when there are several chunks, else all on the calling thread. raw: read-only C-contiguous
+    (rows, bytes) uint8 (what a row means is fn's: `kv_codes` passes a table of sequences);
+    x: C-contiguous float32 (T, K); out: C-contiguous float32 (T, rows), T * chunk at most
+    _Pool.BUF_VALUES to share. The compute function must write only out's columns r0..r1-1 and
+    give the same values whichever thread runs a chunk (a chunk may be run twice: a stolen one)."""
+    if raw.shape[0] > chunk and not _pool_deferred and x.shape[0] * chunk <= _Pool.BUF_VALUES:
+        pool = _pool if _pool_made else _get_pool()
+        if pool is not None and pool.run_job(fn, raw, x, out, chunk, chunk_bytes):
+            return out
+    _matvec_here(fn, raw, x, out)
+    return out
 
 
 @njit(nogil=True, cache=True)

@@ -4,8 +4,10 @@ A `SequenceBatch` is a KVCache over n sequences that each append their own numbe
 the model runs its usual `hidden` over the concatenated (sum of n_i,) tokens, so every linear
 layer gets all their rows at once, one pass over the weights for the whole batch. The rows of
 sequence i get sequence i's own positions (`positions`), and each layer's attention is done per
-sequence, sequence i's rows against sequence i's layer cache, through that cache's own `attend`:
-the attention arithmetic each sequence sees is the arithmetic of the same call made alone.
+sequence, sequence i's rows against sequence i's layer cache, through that cache's own `attend`
+(a decode step's single tokens over one pool in one compiled call instead, shared between
+threads: `PagedLayerCache.attend_tokens`): the attention arithmetic each sequence sees is the
+arithmetic of the same call made alone.
 
     DecodeBatch    one new token per sequence (a decode step)
     PrefillBatch   a chunk of each sequence's prompt (several prompts prefilled together)
@@ -43,6 +45,11 @@ class BatchLayer(LayerKVCache):
         T, H, _ = q.shape
         if T != self.bounds[-1]:
             raise ValueError(f"{T} query rows for a batch of {self.bounds[-1]} new tokens")
+        together = getattr(self.layers[0], "attend_tokens", None)
+        if together is not None and T == len(self.layers) > 1:  # one token each: a decode step
+            out = together(self.layers, q, k, v, scale=scale, window=window)
+            if out is not None:
+                return out
         out = None
         for i, layer in enumerate(self.layers):
             a, b = self.bounds[i], self.bounds[i + 1]

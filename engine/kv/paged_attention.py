@@ -46,6 +46,10 @@ if HAVE_NUMBA:
 # Queries per KV head (query heads per KV head × new tokens) up to which the packed-code kernels
 # are used; larger prefill batches dequantize the old blocks once and use BLAS.
 KERNEL_MAX_QUERIES = 16
+# Stored tokens summed over a decode batch's sequences from which their attention is one call
+# shared between threads (`PagedAttention.attend_tokens`): below it, the call's setup and the
+# hand-off to the second thread cost about what the second thread saves.
+TOGETHER_MIN_TOKENS = 1024
 # Query rows per block of a batched attention's score matrix ((Hkv, G*rows, keys) float32).
 ATTEND_ROWS = 128
 NO_MASS = np.zeros(0, np.float32)  # the decode kernel's "attention mass not tracked"
@@ -317,6 +321,38 @@ class DecodeKernel:
         return out
 
 
+    def attend_many(self, views: list[DecodeView], *, scale: float, window: int | None) -> np.ndarray:
+        """(n, Hkv, G, Dv) float32: `attend` of each view (sequences over this kernel's pool,
+        without attention-mass tracking), from one compiled call whose sequences the weight
+        kernels' thread pool shares out (`kv_codes.decode_rows_address`); each output equals
+        the view's own `attend`."""
+        from ..kernels import quant_matvec
+
+        n = len(views)
+        Hkv, G, D = views[0].query.shape
+        Dv = self.value_dim
+        T = Hkv * G * max(D, Dv)
+        table = np.empty((n, kv_codes.DECODE_FIELDS), np.int64)
+        x = np.zeros((T, n), np.float32)
+        scale_box = np.array([scale], np.float32)  # read by address: alive until the call returns
+        table[:, kv_codes.DF_HKV :] = (Hkv, G, D, Dv, views[0].sink_k.shape[1], views[0].tail_k.shape[1],
+                                       self.block_size, scale_box.ctypes.data, *self.k_layout, *self.v_layout)
+        most_tokens = 0
+        for i, view in enumerate(views):
+            first_visible = 0 if window is None else max(0, view.position - window + 1 - view.first_position)
+            kv_codes.fill_decode_row(table, i, view.k_rows, view.v_rows, view.sink_k, view.sink_v,
+                                     view.first_position, view.n_sink_old, view.tail_k, view.tail_v,
+                                     view.n_recent, first_visible, view.query, x)
+            most_tokens = max(most_tokens, len(view.k_rows) * self.block_size + view.n_recent)
+        out = np.empty((T, n), np.float32)
+        # the grace before the caller takes over a worker's sequence: its keys and values read as
+        # if float16 (the quantized formats take longer per byte)
+        work = most_tokens * Hkv * (D + Dv) * 2
+        quant_matvec.run_rows(kv_codes.decode_rows_address(), quant_matvec.readonly(table.view(np.uint8)), x,
+                              out, 1, work)
+        return out[: Hkv * G * Dv].T.reshape(n, Hkv, G, Dv)
+
+
 class PagedAttention:
     """Which path serves which call, fixed when the layer cache is made:
 
@@ -346,6 +382,37 @@ class PagedAttention:
             background.count_fallback(group)
             return True
         return False
+
+    def attend_tokens(self, layers: list, q, k, v, *, scale: float, window: int | None) -> np.ndarray | None:
+        """One new token for each of `layers` (PagedLayerCaches of different sequences over one
+        pool, this backend's layer first): store each (q, k, v row i for layers[i]) and return the
+        attention outputs (n, H, Dv) from one compiled call (`DecodeKernel.attend_many`), equal to
+        each layer's own `attend`. None, with nothing stored, when that call does not apply: no
+        decode kernel, its kernels still compiling, layers over other pools or tracking
+        attention mass, or fewer than TOGETHER_MIN_TOKENS stored tokens in all (the sequences
+        then attend one by one: as fast, the work being too little to share)."""
+        if self.decode is None or len(layers) < 2 or sum(layer.offset for layer in layers) < TOGETHER_MIN_TOKENS:
+            return None
+        pool = layers[0].pool
+        if any(layer.pool is not pool or layer.track_attention or layer.attention.decode is None
+               for layer in layers):
+            return None
+        if self._compiling(DECODE_KERNELS):
+            return None
+        n, H = q.shape[0], q.shape[1]
+        views = []
+        try:
+            for i, layer in enumerate(layers):
+                views.append(layer.stage_token(q[i : i + 1], k[i : i + 1], v[i : i + 1]))
+        except BaseException:  # e.g. KVPoolFull: the blocks staged so far go back to the pool
+            for view in views:
+                for block in view.filled:
+                    pool.decref(block)
+            raise
+        out = self.decode.attend_many(views, scale=scale, window=window)
+        for layer, view in zip(layers, views):
+            layer.commit_token(view)
+        return out.reshape(n, H, -1)
 
     def attend(self, layer, q, k, v, *, scale: float, window: int | None) -> np.ndarray:
         """Store the T new tokens in `layer` (a PagedLayerCache) and return their attention
@@ -418,6 +485,9 @@ def _compile_batched() -> None:
 def _compile_decode() -> None:
     layer, q, k = _tiny_layer(True)
     layer.attend(q[36:37], k[36:37], k[36:37], scale=0.25, window=None)  # one decode step (intrinsics)
+    view = layer.stage_token(q[37:38], k[37:38], k[37:38])  # and its batch form (one call, 2 rows)
+    layer.attention.decode.attend_many([view, view], scale=0.25, window=None)
+    layer.commit_token(view)
 
 
 def _compile_packed() -> None:

@@ -88,6 +88,22 @@ class PagedLayerCache(LayerKVCache):
             self.release_out_of_window()
         return out
 
+    @staticmethod
+    def attend_tokens(layers: list[LayerKVCache], q, k, v, *, scale, window):
+        """One new token for each of `layers` (one layer of different sequences: q, k, v row i is
+        layers[i]'s) attended in one call where the layers allow it (see
+        `PagedAttention.attend_tokens`): (n, H, Dv), each row what layers[i].attend would give;
+        None, with nothing stored, when they do not."""
+        first = layers[0]
+        if not all(isinstance(layer, PagedLayerCache) for layer in layers):
+            return None
+        out = first.attention.attend_tokens(layers, q, k, v, scale=scale, window=window)
+        if out is not None:
+            for layer in layers:
+                if not layer.defer_release:
+                    layer.release_out_of_window()
+        return out
+
     def stage_batch(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> BatchView:
         """Store T new tokens (q (T, H, D), k (T, Hkv, D), v (T, Hkv, Dv)) and return what their
         queries see. Raises KVPoolFull before any block changes."""
