@@ -82,7 +82,7 @@ def dequantize_rows(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndar
 # output over `in` in the same order (tests/test_weights_gemm.py checks the bits), so which one a
 # product takes does not change its values: only the rule "a row's sums do not depend on how many
 # rows there are, past OpenBLAS's small-product paths" matters for batching (serve.scheduler).
-TRANSPOSED_PRODUCT_MAX_ROWS = 96
+TRANSPOSED_PRODUCT_MAX_ROWS = 64
 
 
 def _product_into(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
