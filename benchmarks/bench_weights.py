@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_weights.py [--models NAME ...] [--context 512] [--decode 32]
                                                   [--rounds 3]
     .venv/bin/python benchmarks/bench_weights.py --kernels [--mib 64] [--rounds 5]
+    .venv/bin/python benchmarks/bench_weights.py --products [--rounds 5]
 
 For each model and backend (OMLX_WEIGHTS=dense / quant) a fresh worker process loads the engine
 (kv="full", llama.cpp's figures are with its f16 cache), prefills `context` tokens, then decodes
@@ -19,6 +20,12 @@ about `mib` MiB of blocks each (random codes, scales ~0.01): the fused matvec (o
 calling thread alone and shared with the pool (OMLX_KERNEL_THREADS threads), as GB/s of blocks
 read, and the prefill tile dequantizer (one thread) as G values/s; types interleaved per round,
 medians over rounds.
+
+--products instead times the two layouts of the prefill product of one float32 tile W (out, in)
+with x (rows, in) (`engine.weights._product`): y = x @ W.T (direct) and y = (W @ x.T).T
+(transposed, the result copied back), for the matrix shapes of SmolLM2 135M, Gemma3 270M and a
+1B Llama, over numbers of rows. It prints the direct time and the transposed/direct ratio (the two
+interleaved, min over rounds) and which layout `weights.TRANSPOSED_PRODUCT_MAX_ROWS` picks.
 """
 
 from __future__ import annotations
@@ -173,6 +180,52 @@ def kernel_table(mib: int, rounds: int) -> None:
               f"{raw.nbytes / med['pool'] / 1e9:16.2f} {n_tiled * cols / med['tile'] / 1e9:25.2f}", flush=True)
 
 
+# (out, in) of the matrices: SmolLM2 135M (K/V, Q/O, gate/up, down), Gemma3 270M (K/V, Q, O,
+# gate/up, down), a 1B Llama (K/V, Q/O, gate/up, down)
+PRODUCT_SHAPES = [(192, 576), (576, 576), (1536, 576), (576, 1536),
+                  (256, 640), (1024, 640), (640, 1024), (2048, 640), (640, 2048),
+                  (512, 2048), (2048, 2048), (8192, 2048), (2048, 8192)]
+PRODUCT_ROWS = [12, 16, 32, 46, 64, 96, 128, 256, 512]
+
+
+def product_table(rounds: int) -> None:
+    from engine import weights
+
+    rng = np.random.default_rng(0)
+
+    def direct(x, w):
+        return x @ w.T
+
+    def transposed(x, w):
+        return np.ascontiguousarray((w @ x.T).T)
+
+    def best_of(f, x, w, reps):
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f(x, w)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    limit = weights.TRANSPOSED_PRODUCT_MAX_ROWS
+    print(f"x (rows, in) @ W.T, W (out, in) float32: direct ms and transposed/direct, min of {rounds} "
+          f"interleaved rounds; * = the layout weights._product takes (transposed up to {limit} rows)")
+    print(f"{'out':>5s} {'in':>5s} " + " ".join(f"{m:>14d}" for m in PRODUCT_ROWS))
+    for out, inn in PRODUCT_SHAPES:
+        w = rng.standard_normal((out, inn)).astype(np.float32)
+        cells = []
+        for m in PRODUCT_ROWS:
+            x = rng.standard_normal((m, inn)).astype(np.float32)
+            reps = max(3, min(50, int(0.05 / max(1e-5, best_of(direct, x, w, 1)))))
+            t = {direct: float("inf"), transposed: float("inf")}
+            for _ in range(rounds):
+                for f in t:
+                    t[f] = min(t[f], best_of(f, x, w, reps))
+            ratio = t[transposed] / t[direct]
+            cells.append(f"{t[direct] * 1e3:7.3f} {ratio:4.2f}{'*' if m <= limit else ' '}")
+        print(f"{out:5d} {inn:5d} " + " ".join(f"{c:>14s}" for c in cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma3-270m"])
@@ -181,11 +234,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs per backend, interleaved")
     parser.add_argument("--kernels", action="store_true", help="time the kernels per tensor type instead")
     parser.add_argument("--mib", type=int, default=64, help="MiB of blocks per matrix (--kernels)")
+    parser.add_argument("--products", action="store_true",
+                        help="time the two layouts of the prefill product per matrix shape instead")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.kernels:
         kernel_table(args.mib, args.rounds)
+        return
+    if args.products:
+        product_table(args.rounds)
         return
 
     if args.worker:

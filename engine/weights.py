@@ -75,16 +75,56 @@ def dequantize_rows(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndar
     return dequantize(raw, ggml_type).astype(np.float32, copy=False)
 
 
+# Products of many rows of x with a float32 matrix W (n, in) → y (T, n), through BLAS (numpy's
+# OpenBLAS). With up to TRANSPOSED_PRODUCT_MAX_ROWS rows, y.T = W @ x.T is computed (x.T passed as
+# a transposed view, the result copied back to y's layout): OpenBLAS's kernels for a few columns
+# are faster than for a few rows. Above that, y = x @ W.T directly. Both formulations sum each
+# output over `in` in the same order (tests/test_weights_gemm.py checks the bits), so which one a
+# product takes does not change its values: only the rule "a row's sums do not depend on how many
+# rows there are, past OpenBLAS's small-product paths" matters for batching (serve.scheduler).
+TRANSPOSED_PRODUCT_MAX_ROWS = 64
+
+
+def _product_into(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
+    """y[:] = x @ w.T for x (T, in) float32 C-contiguous, w (n, in), y (T, n) float32. `y` may be
+    a column slice of a wider array (the product goes to a new array, then is copied there)."""
+    y[...] = (w @ x.T).T if x.shape[0] <= TRANSPOSED_PRODUCT_MAX_ROWS else x @ w.T
+
+
+def _product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w.T (T, n), C-contiguous (see _product_into)."""
+    if x.shape[0] <= TRANSPOSED_PRODUCT_MAX_ROWS:
+        return np.ascontiguousarray((w @ x.T).T)
+    return x @ w.T
+
+
 class DenseLinear:
-    """y = x @ W.T with W (out_features, in_features) float32, dequantized once at load."""
+    """y = x @ W.T with W (out_features, in_features) float32, dequantized once at load.
+
+    Up to QuantLinear.MATVEC_MAX_ROWS rows of x are each multiplied alone (one matrix-vector
+    product per row), so that each row's values do not depend on the other rows: a decode batch
+    gives every sequence the logits it gets alone, as with QuantLinear's fused kernels. More rows
+    go to one BLAS product (`_product`)."""
 
     def __init__(self, weight: np.ndarray):
         self.weight = np.ascontiguousarray(weight, dtype=np.float32)  # (out, in)
         self.out_features, self.in_features = self.weight.shape
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        # x (T, in) float32 → (T, out) float32
-        return x @ self.weight.T
+        # x (..., in) float32 → (..., out) float32
+        x = np.asarray(x)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has {x.shape[-1]} features, this layer takes {self.in_features}")
+        lead = x.shape[:-1]
+        x2 = np.ascontiguousarray(x.reshape(-1, self.in_features), dtype=np.float32)
+        T = x2.shape[0]
+        if T <= QuantLinear.MATVEC_MAX_ROWS:
+            y = np.empty((T, self.out_features), dtype=np.float32)
+            for i in range(T):
+                np.matmul(self.weight, x2[i], out=y[i])
+        else:
+            y = _product(x2, self.weight)
+        return y.reshape(*lead, self.out_features)
 
     @property
     def nbytes(self) -> int:
@@ -192,13 +232,13 @@ class QuantLinear:
         if rows == n:  # one tile: no copy into y
             tile = buf[: n * self.in_features].reshape(n, self.in_features)
             self._dequantize(0, n, tile)
-            return x @ tile.T
+            return _product(x, tile)
         y = np.empty((T, n), dtype=np.float32)
         for start in range(0, n, rows):
             stop = min(start + rows, n)
             tile = buf[: (stop - start) * self.in_features].reshape(stop - start, self.in_features)
             self._dequantize(start, stop, tile)
-            y[:, start:stop] = x @ tile.T
+            _product_into(x, tile, y[:, start:stop])
         return y
 
     # Rows per tile below which one thread dequantizes it alone (handing half to a second thread

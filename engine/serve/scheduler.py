@@ -63,7 +63,8 @@ DECODE_GROUP = QuantLinear.MATVEC_MAX_ROWS
 # would be multiplied by the same kernels as inside the batch, so that its rows come out
 # bit-identical (greedy output the same as prefilled alone):
 # - more than MATVEC_MAX_ROWS rows: fewer go through the fused matvec kernels, which round
-#   differently from the dequantized tiles + BLAS that the batch's many rows take;
+#   differently from the dequantized tiles + BLAS that the batch's many rows take (whichever
+#   layout the product takes, `weights.TRANSPOSED_PRODUCT_MAX_ROWS`: both give the same bits);
 # - and enough rows that no linear layer's product is "small" for OpenBLAS (numpy's BLAS), which
 #   takes other code paths, summing in another order, for products of up to about a thousand
 #   output values (rows x output features). Past that, a row's sums do not depend on how many
@@ -431,8 +432,9 @@ class Scheduler:
         before any changes).
 
         `model.forward`'s steps, with the output layer run on each finishing sequence's last row
-        by itself, as `forward(..., "last")` runs it on a sequence prefilled alone: several rows
-        at once may be summed differently (a dense output matrix goes through BLAS)."""
+        by itself, as `forward(..., "last")` runs it on a sequence prefilled alone: more than
+        MATVEC_MAX_ROWS rows at once would go through BLAS, which sums differently from the
+        one-row products."""
         model = self.engine.model
         batch = PrefillBatch([seq.cache for seq, _ in group], [n for _, n in group])
         tokens = np.concatenate([np.asarray(seq.pending[:n], np.int64) for seq, n in group])
