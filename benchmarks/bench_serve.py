@@ -2,12 +2,13 @@
 
     .venv/bin/python benchmarks/bench_serve.py [--model smollm2-135m-instruct] [--model PATH.gguf ...]
         [--clients 1 2 4 8] [--max-tokens 64] [--rounds 2] [--llama-python /tmp/llvenv/bin/python]
-        [--json out.json]
+        [--ctx 1024] [--document-words N] [--json out.json]
 
 For each model and each number of clients N, a fresh server process (`omlx serve`, 16-bit KV,
 --max-batch 8) is started and N client threads each send `rounds` streaming chat requests one
 after another (greedy; every request its own prompt, so the prefix cache saves no prefill beyond
-the chat template's shared start). Reported per N:
+the chat template's shared start; with --document-words, each prompt starts with its own excerpt
+of a document, a long context per request). Reported per N:
 
     agg decode tok/s   tokens after each request's first, summed over all requests, divided by
                        the time from the first request's first token to the last request's last
@@ -120,7 +121,19 @@ def one_request(url: str, model_id: str, prompt: str, max_tokens: int) -> dict:
     return {"ttft": (t_first or time.perf_counter()) - t0, "t_first": t_first, "t_last": t_last, "chunks": n}
 
 
-def run_clients(url: str, model_id: str, clients: int, rounds: int, max_tokens: int) -> dict:
+DOCUMENT = ROOT / "tests" / "data" / "texts" / "gpl-3.txt"
+
+
+def document_excerpt(n_words: int, index: int) -> str:
+    """n_words words of gpl-3 (repeated as needed), starting at a different place for each
+    request index, so that no two requests share a prefix beyond the chat template."""
+    words = DOCUMENT.read_text(encoding="utf-8").split()
+    start = (index * 997) % len(words)
+    return " ".join((words * (2 + n_words // len(words)))[start : start + n_words])
+
+
+def run_clients(url: str, model_id: str, clients: int, rounds: int, max_tokens: int,
+                document_words: int = 0) -> dict:
     results: list[dict] = []
     lock = threading.Lock()
 
@@ -128,6 +141,9 @@ def run_clients(url: str, model_id: str, clients: int, rounds: int, max_tokens: 
         for r in range(rounds):
             topic = TOPICS[(c * rounds + r) % len(TOPICS)]
             prompt = f"Request {c}-{r}. Write a long, detailed story about {topic}."
+            if document_words:  # a long context of its own: a question about a document
+                prompt = (document_excerpt(document_words, c * rounds + r) +
+                          f"\n\nRequest {c}-{r}. Explain the text above in detail.")
             try:
                 res = one_request(url, model_id, prompt, max_tokens)
             except httpx.HTTPError as exc:  # counted, not fatal: the table says how many failed
@@ -155,7 +171,7 @@ def run_clients(url: str, model_id: str, clients: int, rounds: int, max_tokens: 
             "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))]}
 
 
-def bench_server(name: str, start, model_id: str, clients_list, rounds, max_tokens) -> list[dict]:
+def bench_server(name: str, start, model_id: str, clients_list, rounds, max_tokens, document_words=0) -> list[dict]:
     rows = []
     for clients in clients_list:
         port = free_port()
@@ -164,7 +180,7 @@ def bench_server(name: str, start, model_id: str, clients_list, rounds, max_toke
         try:
             wait_ready(url, proc)
             one_request(url, model_id, "Say hello.", 4)  # warm-up (kernels, first allocations)
-            row = run_clients(url, model_id, clients, rounds, max_tokens)
+            row = run_clients(url, model_id, clients, rounds, max_tokens, document_words)
         finally:
             proc.terminate()
             try:
@@ -189,6 +205,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="requests per client, one after another")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--document-words", type=int, default=0,
+                    help="start every request with its own excerpt of this many words of a document "
+                         "(long contexts; raise --ctx to fit)")
     ap.add_argument("--llama-python", default="/tmp/llvenv/bin/python",
                     help="an interpreter with llama-cpp-python[server] (skipped when it cannot import it)")
     ap.add_argument("--json", help="also write the rows here")
@@ -201,11 +220,11 @@ def main() -> int:
         path = resolve_model(spec)
         print(f"{path.name}:", file=sys.stderr)
         rows = bench_server("omlx", lambda port, n: start_omlx(path, port, args.ctx), path.stem,
-                            args.clients, args.rounds, args.max_tokens)
+                            args.clients, args.rounds, args.max_tokens, args.document_words)
         if llama_extra is not None:
             rows += bench_server("llama.cpp", lambda port, n: start_llama(args.llama_python, llama_extra, path,
                                                                           port, args.ctx, n),
-                                 path.stem, args.clients, args.rounds, args.max_tokens)
+                                 path.stem, args.clients, args.rounds, args.max_tokens, args.document_words)
         for row in rows:
             row["model"] = path.stem
         all_rows += rows
