@@ -2,13 +2,15 @@
 
     .venv/bin/python benchmarks/bench_serve.py [--model smollm2-135m-instruct] [--model PATH.gguf ...]
         [--clients 1 2 4 8] [--max-tokens 64] [--rounds 2] [--llama-python /tmp/llvenv/bin/python]
-        [--ctx 1024] [--document-words N] [--json out.json]
+        [--ctx 1024] [--document-words N [--shared-document]] [--json out.json]
 
 For each model and each number of clients N, a fresh server process (`omlx serve`, 16-bit KV,
 --max-batch 8) is started and N client threads each send `rounds` streaming chat requests one
 after another (greedy; every request its own prompt, so the prefix cache saves no prefill beyond
 the chat template's shared start; with --document-words, each prompt starts with its own excerpt
-of a document, a long context per request). Reported per N:
+of a document, a long context per request; with --shared-document they all ask about one
+document, read once before they start, so their prompts come from the prefix cache). Reported
+per N:
 
     agg decode tok/s   tokens after each request's first, summed over all requests, divided by
                        the time from the first request's first token to the last request's last
@@ -126,14 +128,16 @@ DOCUMENT = ROOT / "tests" / "data" / "texts" / "gpl-3.txt"
 
 def document_excerpt(n_words: int, index: int) -> str:
     """n_words words of gpl-3 (repeated as needed), starting at a different place for each
-    request index, so that no two requests share a prefix beyond the chat template."""
+    request index (so that no two requests share a prefix beyond the chat template), or at the
+    start for index None (one document every request asks about)."""
+    index = 0 if index is None else index + 1
     words = DOCUMENT.read_text(encoding="utf-8").split()
     start = (index * 997) % len(words)
     return " ".join((words * (2 + n_words // len(words)))[start : start + n_words])
 
 
 def run_clients(url: str, model_id: str, clients: int, rounds: int, max_tokens: int,
-                document_words: int = 0) -> dict:
+                document_words: int = 0, shared_document: bool = False) -> dict:
     results: list[dict] = []
     lock = threading.Lock()
 
@@ -142,7 +146,7 @@ def run_clients(url: str, model_id: str, clients: int, rounds: int, max_tokens: 
             topic = TOPICS[(c * rounds + r) % len(TOPICS)]
             prompt = f"Request {c}-{r}. Write a long, detailed story about {topic}."
             if document_words:  # a long context of its own: a question about a document
-                prompt = (document_excerpt(document_words, c * rounds + r) +
+                prompt = (document_excerpt(document_words, None if shared_document else c * rounds + r) +
                           f"\n\nRequest {c}-{r}. Explain the text above in detail.")
             try:
                 res = one_request(url, model_id, prompt, max_tokens)
@@ -171,7 +175,8 @@ def run_clients(url: str, model_id: str, clients: int, rounds: int, max_tokens: 
             "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))]}
 
 
-def bench_server(name: str, start, model_id: str, clients_list, rounds, max_tokens, document_words=0) -> list[dict]:
+def bench_server(name: str, start, model_id: str, clients_list, rounds, max_tokens, document_words=0,
+                 shared_document=False) -> list[dict]:
     rows = []
     for clients in clients_list:
         port = free_port()
@@ -180,7 +185,9 @@ def bench_server(name: str, start, model_id: str, clients_list, rounds, max_toke
         try:
             wait_ready(url, proc)
             one_request(url, model_id, "Say hello.", 4)  # warm-up (kernels, first allocations)
-            row = run_clients(url, model_id, clients, rounds, max_tokens, document_words)
+            if shared_document:  # read once before: the requests find it in the prefix cache
+                one_request(url, model_id, document_excerpt(document_words, None), 1)
+            row = run_clients(url, model_id, clients, rounds, max_tokens, document_words, shared_document)
         finally:
             proc.terminate()
             try:
@@ -208,6 +215,9 @@ def main() -> int:
     ap.add_argument("--document-words", type=int, default=0,
                     help="start every request with its own excerpt of this many words of a document "
                          "(long contexts; raise --ctx to fit)")
+    ap.add_argument("--shared-document", action="store_true",
+                    help="with --document-words: the same document in every request, read once before "
+                         "the clients start (questions about a document already in the prefix cache)")
     ap.add_argument("--llama-python", default="/tmp/llvenv/bin/python",
                     help="an interpreter with llama-cpp-python[server] (skipped when it cannot import it)")
     ap.add_argument("--json", help="also write the rows here")
@@ -220,11 +230,13 @@ def main() -> int:
         path = resolve_model(spec)
         print(f"{path.name}:", file=sys.stderr)
         rows = bench_server("omlx", lambda port, n: start_omlx(path, port, args.ctx), path.stem,
-                            args.clients, args.rounds, args.max_tokens, args.document_words)
+                            args.clients, args.rounds, args.max_tokens, args.document_words,
+                            args.shared_document)
         if llama_extra is not None:
             rows += bench_server("llama.cpp", lambda port, n: start_llama(args.llama_python, llama_extra, path,
                                                                           port, args.ctx, n),
-                                 path.stem, args.clients, args.rounds, args.max_tokens, args.document_words)
+                                 path.stem, args.clients, args.rounds, args.max_tokens, args.document_words,
+                            args.shared_document)
         for row in rows:
             row["model"] = path.stem
         all_rows += rows
