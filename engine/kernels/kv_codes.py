@@ -647,25 +647,6 @@ def _fma_into(builder, acc_ptr, a, x):
     builder.store(builder.fadd(builder.load(acc_ptr), prod, flags=CONTRACT), acc_ptr)
 
 
-def _transpose_sum(v, vecs):
-    """16 <16 x float> -> one <16 x float> whose lane t is the sum of vecs[t]'s lanes: four levels
-    of pairing, each adding the low and high halves of every vector's partial sums (45 shuffles
-    and adds for 16 sums, where one horizontal sum each takes 13)."""
-    b = v.b
-    width = 16  # partial sums per input vector at this level
-    while len(vecs) > 1:
-        per_vec = 16 // width  # inputs summarized in each vector
-        lo, hi = [], []
-        for src in (0, 16):  # lanes of the first, then the second vector of the pair
-            for j in range(per_vec):
-                lo += [src + j * width + i for i in range(width // 2)]
-                hi += [src + j * width + width // 2 + i for i in range(width // 2)]
-        vecs = [b.fadd(b.shuffle_vector(x, y, v.civ(lo)), b.shuffle_vector(x, y, v.civ(hi)))
-                for x, y in zip(vecs[0::2], vecs[1::2])]
-        width //= 2
-    return vecs[0]
-
-
 def _make_tile_scores(n_q):
     """Intrinsic scores(bits, tile_addr, n_tokens, qs, sc, group, out): for k < n_q, t < n_tokens,
     out[k, t] = Σ_g sc[t, g]*Σ_{d in group g} qs[k, d]*code[t, d], groups of `group` channels (a
@@ -728,7 +709,7 @@ def _make_tile_scores(n_q):
                     with builder.if_then(builder.icmp_signed("==", slot, _i64(15))):
                         t0 = builder.sub(tok.index, _i64(15))
                         for k in range(n_q):
-                            sums = _transpose_sum(v, [builder.load(builder.gep(pending[k], [_i64(i)])) for i in range(16)])
+                            sums = v.transpose_sum([builder.load(builder.gep(pending[k], [_i64(i)])) for i in range(16)])
                             v.store(sums, out_p, builder.mul(builder.add(builder.mul(out_cols, _i64(k)), t0), _i64(4)))
                 rest = builder.and_(n_tok, _i64(15))  # the last tokens when n_tokens % 16 != 0
                 first = builder.sub(n_tok, rest)

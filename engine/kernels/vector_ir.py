@@ -255,6 +255,24 @@ class VectorIR:
             n = h
         return self.b.extract_element(v, ir.Constant(I32, 0))
 
+    def transpose_sum(self, vecs):
+        """16 <16 x float> -> one <16 x float> whose lane t is the sum of vecs[t]'s lanes: four
+        levels of pairing, each adding the low and high halves of every vector's partial sums (45
+        shuffles and adds for 16 sums, where one `hsum` each takes 13)."""
+        b = self.b
+        width = 16  # partial sums per input vector at this level
+        while len(vecs) > 1:
+            per_vec = 16 // width  # inputs summarized in each vector
+            lo, hi = [], []
+            for src in (0, 16):  # lanes of the first, then the second vector of the pair
+                for j in range(per_vec):
+                    lo += [src + j * width + i for i in range(width // 2)]
+                    hi += [src + j * width + width // 2 + i for i in range(width // 2)]
+            vecs = [b.fadd(b.shuffle_vector(x, y, self.civ(lo)), b.shuffle_vector(x, y, self.civ(hi)))
+                    for x, y in zip(vecs[0::2], vecs[1::2])]
+            width //= 2
+        return vecs[0]
+
 
 # ---------------------------------------------------------------------------------------------
 # Pointers: array data as i8*, addresses (int64) and back to typed pointers
