@@ -347,3 +347,27 @@ def test_decode_block_passes_match_dequantize(name, geometry):
     out = np.zeros((h, g, d), np.float32)
     _block_values(rows, 0, len(ids), layout, t, p, out)
     np.testing.assert_allclose(out, o_ref, rtol=1e-4, atol=2e-4)
+
+
+def test_decode_batch_call_equals_each_sequence_alone_when_the_pool_steals(monkeypatch):
+    """`DecodeKernel.attend_many` (a decode batch's sequences in one call shared with the weight
+    kernels' pool) gives each sequence exactly its own `attend`, also when the caller takes over
+    every chunk the worker has not finished at once (grace 0)."""
+    from engine.kernels import quant_matvec
+    from engine.kv import paged_attention
+
+    layer, q, k = paged_attention._tiny_layer(True)
+    pool = quant_matvec._get_pool()
+    if pool is not None:
+        monkeypatch.setattr(pool, "grace_per_byte", 0.0)
+    for step in range(36, 40):
+        view = layer.stage_token(q[step : step + 1], k[step : step + 1], k[step : step + 1])
+        alone = layer.attention.decode.attend(view, scale=0.25, window=None)
+        together = layer.attention.decode.attend_many([view] * 5, scale=0.25, window=None)
+        windowed = layer.attention.decode.attend_many([view] * 3, scale=0.25, window=20)
+        assert together.shape == (5,) + alone.shape
+        for out in together:
+            assert np.array_equal(out, alone)
+        for out in windowed:
+            assert np.array_equal(out, layer.attention.decode.attend(view, scale=0.25, window=20))
+        layer.commit_token(view)

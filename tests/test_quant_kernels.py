@@ -400,6 +400,36 @@ def test_pool_steals_chunks_of_a_stalled_worker():
         assert_product_close(y, x, w)
 
 
+def test_pool_keeps_what_a_job_with_stolen_chunks_reads():
+    """A job run through `run_job` whose chunks were stolen from a stalled worker holds `keep`
+    (memory the job reads by address: that worker may still read it after the call returned);
+    a job without steals does not."""
+    pool = _pool_or_skip()
+    rng = np.random.default_rng(17)
+    raw = quantized_from_floats(QT.Q8_0, 640, 256, rng)
+    w = reference(raw, QT.Q8_0)
+    mv = qm.Matvec(QT.Q8_0, raw, 256)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+
+    class Owner:  # stands for the arrays a job reads by address
+        pass
+
+    stolen_owner, clean_owner = Owner(), Owner()
+    pool.serial_until = 0.0
+    seq = ((int(pool.ctl[qm._WORD]) >> 32) + 1) & 0x7FFFFFFF  # the job about to be published
+    for c in (3, 30):  # of 40 chunks of 16 rows: claimed by a worker that never finishes
+        pool.states[c] = (seq << 2) | qm._ST_COMPUTING
+    y = np.full((2, 640), np.nan, np.float32)
+    assert pool.run_job(mv.compute, mv.raw, x, y, 16, 16, keep=stolen_owner)
+    assert_product_close(y, x, w)
+    assert any(held is stolen_owner for held, _ in pool._raws.values())
+    pool.serial_until = 0.0
+    y2 = np.full((2, 640), np.nan, np.float32)
+    assert pool.run_job(mv.compute, mv.raw, x, y2, 16, 10**9, keep=clean_owner)
+    assert_product_close(y2, x, w)
+    assert not any(held is clean_owner for held, _ in pool._raws.values())
+
+
 def test_pool_from_several_threads():
     """Concurrent callers: one runs a job, the others fall back to their own thread."""
     import threading

@@ -1445,10 +1445,12 @@ class _Pool:
         return self.run_job(mv.compute, mv.raw, x, out, mv.chunk, mv.chunk * mv.raw.shape[1] * x.shape[0])
 
     def run_job(self, fn: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, chunk: int,
-                chunk_bytes: int) -> bool:
+                chunk_bytes: int, keep: object = None) -> bool:
         """Run the rows of `raw` as a pool job by the compute function at address fn (see
-        `run_rows`); chunk_bytes: what one chunk reads, for the grace before stealing it. False
-        when the caller should run it alone."""
+        `run_rows`); chunk_bytes: what one chunk reads, for the grace before stealing it; keep:
+        what else the job reads (by address), held like `raw` when a chunk was stolen (its worker
+        may still be reading after the call returns). False when the caller should run it
+        alone."""
         if not self.lock.acquire(False):
             return False
         try:
@@ -1464,6 +1466,8 @@ class _Pool:
                                      chunk, grace, self.n_workers + 1)
             self.jobs += 1
             if stolen:
+                if keep is not None:
+                    self._keep(keep)
                 self.steals += 1
                 self.strikes += 1
                 if self.strikes >= self.STRIKES:
@@ -1476,8 +1480,9 @@ class _Pool:
         finally:
             self.lock.release()
 
-    def _keep(self, raw: np.ndarray) -> None:
-        """Hold `raw` until RAW_RETAIN_S after its last job (call with the lock held)."""
+    def _keep(self, raw: object) -> None:
+        """Hold `raw` (a matrix, or what a job read by address) until RAW_RETAIN_S after its last
+        job (call with the lock held)."""
         now = time.monotonic()
         self._raws[id(raw)] = (raw, now)
         if now - self._raws_pruned > self.RAW_RETAIN_S:
@@ -1637,7 +1642,8 @@ class Matvec:
         return out
 
 
-def run_rows(fn: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, chunk: int, chunk_bytes: int) -> np.ndarray:
+def run_rows(fn: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, chunk: int, chunk_bytes: int,
+             keep: object = None) -> np.ndarray:
     """A job of the pool's shape that is not a matvec: out[:, r] for each row r of `raw` by the
     compute function at address fn (a cfunc of `_COMPUTE_SIG`, called with raw, x and out by
     address and a range of rows), rows shared with the pool's workers in chunks of `chunk` rows
@@ -1645,10 +1651,12 @@ def run_rows(fn: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, chunk: in
     (rows, bytes) uint8 (what a row means is fn's: `kv_codes` passes a table of sequences);
     x: C-contiguous float32 (T, K); out: C-contiguous float32 (T, rows), T * chunk at most
     _Pool.BUF_VALUES to share. The compute function must write only out's columns r0..r1-1 and
-    give the same values whichever thread runs a chunk (a chunk may be run twice: a stolen one)."""
+    give the same values whichever thread runs a chunk (a chunk may be run twice: a stolen one).
+    keep: the objects owning any other memory fn reads by address (held for a while when a
+    worker's chunk was stolen: that worker may read on after the call returned)."""
     if raw.shape[0] > chunk and not _pool_deferred and x.shape[0] * chunk <= _Pool.BUF_VALUES:
         pool = _pool if _pool_made else _get_pool()
-        if pool is not None and pool.run_job(fn, raw, x, out, chunk, chunk_bytes):
+        if pool is not None and pool.run_job(fn, raw, x, out, chunk, chunk_bytes, keep):
             return out
     _matvec_here(fn, raw, x, out)
     return out

@@ -304,6 +304,7 @@ class DecodeKernel:
 
     def __init__(self, pool: LayerBlockPool):
         Hkv, B = pool.n_kv_heads, pool.block_size
+        self.pool = pool  # its slabs are read by address (attend_many keeps them for late workers)
         self.block_size = B
         self.value_dim = pool.value_dim
         self.k_layout = kv_codes.decode_layout(pool.k_format, Hkv, B, pool.head_dim)
@@ -319,7 +320,6 @@ class DecodeKernel:
             np.float32(scale), view.sink_k, view.sink_v, view.first_position, view.n_sink_old,
             view.tail_k, view.tail_v, view.n_recent, first_visible, view.mass, out)
         return out
-
 
     def attend_many(self, views: list[DecodeView], *, scale: float, window: int | None) -> np.ndarray:
         """(n, Hkv, G, Dv) float32: `attend` of each view (sequences over this kernel's pool,
@@ -348,8 +348,10 @@ class DecodeKernel:
         # the grace before the caller takes over a worker's sequence: its keys and values read as
         # if float16 (the quantized formats take longer per byte)
         work = most_tokens * Hkv * (D + Dv) * 2
+        # what the cfunc reads by address: the views' arrays, the scale, the pool's slabs
+        keep = (views, scale_box, self.pool)
         quant_matvec.run_rows(kv_codes.decode_rows_address(), quant_matvec.readonly(table.view(np.uint8)), x,
-                              out, 1, work)
+                              out, 1, work, keep)
         return out[: Hkv * G * Dv].T.reshape(n, Hkv, G, Dv)
 
 
