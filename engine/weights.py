@@ -85,17 +85,24 @@ def dequantize_rows(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndar
 TRANSPOSED_PRODUCT_MAX_ROWS = 64
 
 
-def _product_into(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
-    """y[:] = x @ w.T for x (T, in) float32 C-contiguous, w (n, in), y (T, n) float32. `y` may be
-    a column slice of a wider array (the product goes to a new array, then is copied there)."""
-    y[...] = (w @ x.T).T if x.shape[0] <= TRANSPOSED_PRODUCT_MAX_ROWS else x @ w.T
+def _product_view(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w.T (T, n) for x (T, in) float32 C-contiguous and w (n, in), by the rule above: for a
+    few rows a transposed view of w @ x.T."""
+    return (w @ x.T).T if x.shape[0] <= TRANSPOSED_PRODUCT_MAX_ROWS else x @ w.T
 
 
 def _product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x @ w.T (T, n), C-contiguous (see _product_into)."""
-    if x.shape[0] <= TRANSPOSED_PRODUCT_MAX_ROWS:
-        return np.ascontiguousarray((w @ x.T).T)
-    return x @ w.T
+    """x @ w.T (T, n), C-contiguous."""
+    return np.ascontiguousarray(_product_view(x, w))
+
+
+def _as_rows(x, in_features: int) -> tuple[np.ndarray, tuple]:
+    """x (..., in_features) as C-contiguous float32 rows (T, in_features), and its leading shape
+    (for the result's reshape); a wrong feature count is a ValueError."""
+    x = np.asarray(x)
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, this layer takes {in_features}")
+    return np.ascontiguousarray(x.reshape(-1, in_features), dtype=np.float32), x.shape[:-1]
 
 
 class DenseLinear:
@@ -112,11 +119,7 @@ class DenseLinear:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         # x (..., in) float32 → (..., out) float32
-        x = np.asarray(x)
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x has {x.shape[-1]} features, this layer takes {self.in_features}")
-        lead = x.shape[:-1]
-        x2 = np.ascontiguousarray(x.reshape(-1, self.in_features), dtype=np.float32)
+        x2, lead = _as_rows(x, self.in_features)
         T = x2.shape[0]
         if T <= QuantLinear.MATVEC_MAX_ROWS:
             y = np.empty((T, self.out_features), dtype=np.float32)
@@ -211,11 +214,7 @@ class QuantLinear:
         if (type(x) is np.ndarray and x.ndim == 2 and x.dtype == np.float32 and x.flags.c_contiguous
                 and x.shape[1] == self.in_features and 0 < x.shape[0] <= self.MATVEC_MAX_ROWS):
             return self._matvec(x, np.empty((x.shape[0], self.out_features), dtype=np.float32))
-        x = np.asarray(x)
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x has {x.shape[-1]} features, this layer takes {self.in_features}")
-        lead = x.shape[:-1]
-        x2 = np.ascontiguousarray(x.reshape(-1, self.in_features), dtype=np.float32)
+        x2, lead = _as_rows(x, self.in_features)
         T = x2.shape[0]
         if T == 0:
             y = np.empty((0, self.out_features), np.float32)
@@ -238,7 +237,7 @@ class QuantLinear:
             stop = min(start + rows, n)
             tile = buf[: (stop - start) * self.in_features].reshape(stop - start, self.in_features)
             self._dequantize(start, stop, tile)
-            _product_into(x, tile, y[:, start:stop])
+            y[:, start:stop] = _product_view(x, tile)
         return y
 
     # Rows per tile below which one thread dequantizes it alone (handing half to a second thread
