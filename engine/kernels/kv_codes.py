@@ -1092,8 +1092,10 @@ def decode_attention(k_rows, v_rows, k_layout, v_layout, B, q, scale, sink_k, si
 # own call's, so its output does not depend on the batch. The pool passes arrays by address:
 #   table  (n_seqs, DECODE_FIELDS) int64, one row per sequence (the DF_* fields below; addresses
 #          of arrays the caller keeps alive for the call)
-#   x      (T, n_seqs) float32: column r is sequence r's query (Hkv, G, D) flattened, T >= H*D
-#   out    (T, n_seqs) float32: column r gets its output (Hkv, G, Dv) flattened, T >= H*Dv
+#   x      n_seqs rows of T float32: row r starts with sequence r's query (Hkv, G, D), T >= H*D
+#          (the pool takes it as its (T, n_seqs) x: only the memory matters, copied whole)
+#   out    (T, n_seqs) float32: column r gets its output (Hkv, G, Dv) flattened, T >= H*Dv (the
+#          pool's layout: each worker commits a chunk of columns)
 (DF_K_ROWS, DF_V_ROWS, DF_N_BLOCKS, DF_SINK_K, DF_SINK_V, DF_SINK0, DF_N_SINK_OLD, DF_TAIL_K, DF_TAIL_V,
  DF_N_RECENT, DF_FIRST_VISIBLE, DF_HKV, DF_G, DF_D, DF_DV, DF_SINKS, DF_TAIL_ROWS, DF_B, DF_SCALE,
  DF_K_LAYOUT) = range(20)  # DF_SCALE: address of a float32 scale; the layouts: 7 fields each
@@ -1104,9 +1106,9 @@ _i64_pointer = _pointer_from_address(types.int64, I64)
 
 @njit(nogil=True, cache=True)
 def fill_decode_row(table, i, k_rows, v_rows, sink_k, sink_v, sink0, n_sink_old, tail_k, tail_v, n_recent,
-                    first_visible, query, x):
+                    first_visible):
     """Sequence i's fields of a decode batch's table (the shared ones, DF_HKV on, are the
-    caller's) and its query into x[:, i]; the arrays as `decode_attention` takes them."""
+    caller's); the arrays as `decode_attention` takes them."""
     row = table[i]
     row[DF_K_ROWS] = address_of(k_rows)
     row[DF_V_ROWS] = address_of(v_rows)
@@ -1119,13 +1121,6 @@ def fill_decode_row(table, i, k_rows, v_rows, sink_k, sink_v, sink0, n_sink_old,
     row[DF_TAIL_V] = address_of(tail_v)
     row[DF_N_RECENT] = n_recent
     row[DF_FIRST_VISIBLE] = first_visible
-    Hkv, G, D = query.shape
-    j = 0
-    for h in range(Hkv):
-        for g in range(G):
-            for d in range(D):
-                x[j, i] = query[h, g, d]
-                j += 1
 
 
 @njit(nogil=True, cache=True)
@@ -1135,8 +1130,8 @@ def _f32_at(addr, shape):
 
 @njit(nogil=True, cache=True)
 def _decode_row(row, x, col, out, out_col):
-    """`decode_attention` of the sequence described by table row `row`: its query from x[:, col],
-    its output into out[:, out_col]."""
+    """`decode_attention` of the sequence described by table row `row`: its query from x[col]
+    (x: n_seqs rows), its output into out[:, out_col]."""
     Hkv, G, D, Dv = row[DF_HKV], row[DF_G], row[DF_D], row[DF_DV]
     S, R, B = row[DF_SINKS], row[DF_TAIL_ROWS], row[DF_B]
     nb = row[DF_N_BLOCKS]
@@ -1145,13 +1140,7 @@ def _decode_row(row, x, col, out, out_col):
     kl, vl = DF_K_LAYOUT, DF_V_LAYOUT
     k_layout = (row[kl], row[kl + 1], row[kl + 2], row[kl + 3], row[kl + 4], row[kl + 5], row[kl + 6])
     v_layout = (row[vl], row[vl + 1], row[vl + 2], row[vl + 3], row[vl + 4], row[vl + 5], row[vl + 6])
-    q = np.empty((Hkv, G, D), np.float32)
-    i = 0
-    for h in range(Hkv):
-        for g in range(G):
-            for d in range(D):
-                q[h, g, d] = x[i, col]
-                i += 1
+    q = x[col][: Hkv * G * D].reshape((Hkv, G, D))
     o = np.empty((Hkv, G, Dv), np.float32)
     decode_attention(k_rows, v_rows, k_layout, v_layout, B, q, _f32_at(row[DF_SCALE], (1,))[0],
                      _f32_at(row[DF_SINK_K], (Hkv, S, D)), _f32_at(row[DF_SINK_V], (Hkv, S, Dv)), row[DF_SINK0],
@@ -1169,7 +1158,7 @@ def _compute_decode_rows(table_addr, n_rows, row_bytes, x_addr, T, K, out_addr, 
     """The pool's compute function for decode batches (`quant_matvec._COMPUTE_SIG`): sequences
     r0..r1-1 of the table into out's columns r - out_off."""
     table = carray(_i64_pointer(table_addr), (n_rows, row_bytes // 8))
-    x = carray(f32_pointer(x_addr), (T, K))
+    x = carray(f32_pointer(x_addr), (K, T))  # K = n_seqs rows of T (see above)
     out = carray(f32_pointer(out_addr), (T, out_cols))
     for r in range(r0, r1):
         _decode_row(table[r], x, r, out, r - out_off)

@@ -333,7 +333,7 @@ class DecodeKernel:
         Dv = self.value_dim
         T = Hkv * G * max(D, Dv)
         table = np.empty((n, kv_codes.DECODE_FIELDS), np.int64)
-        x = np.zeros((T, n), np.float32)
+        x = np.zeros((n, T), np.float32)  # row i: sequence i's query (kv_codes' decode batch layout)
         scale_box = np.array([scale], np.float32)  # read by address: alive until the call returns
         table[:, kv_codes.DF_HKV :] = (Hkv, G, D, Dv, views[0].sink_k.shape[1], views[0].tail_k.shape[1],
                                        self.block_size, scale_box.ctypes.data, *self.k_layout, *self.v_layout)
@@ -342,7 +342,8 @@ class DecodeKernel:
             first_visible = 0 if window is None else max(0, view.position - window + 1 - view.first_position)
             kv_codes.fill_decode_row(table, i, view.k_rows, view.v_rows, view.sink_k, view.sink_v,
                                      view.first_position, view.n_sink_old, view.tail_k, view.tail_v,
-                                     view.n_recent, first_visible, view.query, x)
+                                     view.n_recent, first_visible)
+            x[i, : Hkv * G * D] = view.query.reshape(-1)
             most_tokens = max(most_tokens, len(view.k_rows) * self.block_size + view.n_recent)
         out = np.empty((T, n), np.float32)
         # the grace before the caller takes over a worker's sequence: its keys and values read as
@@ -350,8 +351,8 @@ class DecodeKernel:
         work = most_tokens * Hkv * (D + Dv) * 2
         # what the cfunc reads by address: the views' arrays, the scale, the pool's slabs
         keep = (views, scale_box, self.pool)
-        quant_matvec.run_rows(kv_codes.decode_rows_address(), quant_matvec.readonly(table.view(np.uint8)), x,
-                              out, 1, work, keep)
+        quant_matvec.run_rows(kv_codes.decode_rows_address(), quant_matvec.readonly(table.view(np.uint8)),
+                              x.reshape(T, n), out, 1, work, keep)
         return out[: Hkv * G * Dv].T.reshape(n, Hkv, G, Dv)
 
 
