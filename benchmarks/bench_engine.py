@@ -1,7 +1,7 @@
 """The speed issue's measurements: prefill/decode against llama.cpp, and peak memory.
 
     .venv/bin/python benchmarks/bench_engine.py [--cases NAME ...] [--decode 16] [--rounds 3] [--no-rss]
-                                                [--llama-venv /tmp/llvenv]
+                                                [--prefill-pairs 5] [--llama-venv /tmp/llvenv]
 
 Cases (model, context, our KV, llama.cpp's KV):
 
@@ -22,6 +22,13 @@ Each case prefills the gpl-3 text (repeated to the context length) in one proces
 and a single window can be several times slower than the next. llama.cpp (llama-cpp-python, 2
 threads) is measured in the same run right after ours when it is importable (it is never a
 dependency); the figures recorded in the speed issue are printed as a second ratio either way.
+
+Prefill pairs (`--prefill-pairs N`, with llama.cpp importable): the table's prefill figures are one
+measurement each, ours and then llama.cpp's, and this VM's speed moves between two states within
+seconds (the same 1B prefill took 7.3 s, then 8.8 s, in one process; its BLAS products ran at
+182 GFLOP/s in one run and 127 in another), so one pair's ratio can land anywhere in 0.8-1.1x. N more
+prefills of each side, alternating (ours, llama.cpp, ours, ...) in the same process, are printed
+per case with each pair's ratio and their median: the fair comparison of the two prefill rates.
 
 With the K4V4 case, our 16-bit and K4V4 caches are also compared directly at that context in
 alternating decode windows (2 x rounds + 1 each, medians), the fair way to compare two of ours.
@@ -138,6 +145,34 @@ def measure_llama_cpp(path: Path, ids: list[int], kv: str, n_decode: int, rounds
     return prefill, float(np.median(windows))
 
 
+def paired_prefill(engine: Engine, path: Path, ids: list[int], kv: str, llama_kv: str, pairs: int):
+    """`pairs` prefills of ids by ours and by llama.cpp, alternating; [(ours tok/s, llama.cpp tok/s)],
+    or None without llama.cpp."""
+    try:
+        import llama_cpp  # optional: never a dependency
+    except ImportError:
+        return None
+    kwargs = {}
+    if llama_kv != "f16":
+        kind = {"q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}[llama_kv]
+        kwargs = dict(type_k=kind, type_v=kind, flash_attn=True)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + 8, n_threads=2, n_batch=512, verbose=False,
+                          **kwargs)
+    out = []
+    for _ in range(pairs):
+        cache = engine.new_cache(kv)
+        t0 = time.perf_counter()
+        engine.prefill(ids, cache)
+        ours = len(ids) / (time.perf_counter() - t0)
+        cache.release()
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        out.append((ours, len(ids) / (time.perf_counter() - t0)))
+    del llm
+    return out
+
+
 def vm_hwm() -> int:
     """This process's peak resident size in bytes: Linux's VmHWM (ru_maxrss would also count the
     parent's peak, which a child inherits across fork and exec)."""
@@ -171,6 +206,8 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=16, help="tokens per decode window")
     parser.add_argument("--rounds", type=int, default=3, help="decode windows (median reported)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs")
+    parser.add_argument("--prefill-pairs", type=int, default=5,
+                        help="alternating prefills of ours and llama.cpp's per case (0: none)")
     parser.add_argument("--llama-venv", help="a venv with llama-cpp-python: its site-packages go after ours")
     parser.add_argument("--rss-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -184,6 +221,7 @@ def main() -> None:
           "prefill ratio (same run / issue) | decode ratio (same run / issue) |")
     print("|---|---|---|---|---|---|---|")
     engines: dict[str, Engine] = {}
+    pairs: dict[str, list[tuple[float, float]]] = {}
     for name in args.cases:
         model, context, kv, llama_kv = CASES[name]
         path = model_file(model)
@@ -196,6 +234,14 @@ def main() -> None:
         print(f"| {name} | {prefill:.1f} | {decode:.1f} | {lp or 0:.1f} | {ld or 0:.1f} | "
               f"{ratio(prefill, lp)} / {ratio(prefill, issue and issue[0])} | "
               f"{ratio(decode, ld)} / {ratio(decode, issue and issue[1])} |", flush=True)
+        if args.prefill_pairs > 0 and same:
+            pairs[name] = paired_prefill(engine, path, ids, kv, llama_kv, args.prefill_pairs)
+    if pairs:
+        print("\nprefill, alternating (ours / llama.cpp tok/s, each pair's ratio), median ratio:")
+        for name, runs in pairs.items():
+            ratios = [o / t for o, t in runs]
+            listed = ", ".join(f"{o:.1f}/{t:.1f} {o / t:.2f}x" for o, t in runs)
+            print(f"  {name}: {listed}; median {float(np.median(ratios)):.2f}x", flush=True)
     if "smollm2-4096-k4v4" in args.cases:  # the issue's "K4V4 >= our own 16-bit at 4,096 tokens"
         model, context = CASES["smollm2-4096-k4v4"][:2]
         engine = engines[model]
