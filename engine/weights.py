@@ -108,10 +108,14 @@ def _as_rows(x, in_features: int) -> tuple[np.ndarray, tuple]:
 class DenseLinear:
     """y = x @ W.T with W (out_features, in_features) float32, dequantized once at load.
 
-    Up to QuantLinear.MATVEC_MAX_ROWS rows of x are each multiplied alone (one matrix-vector
-    product per row), so that each row's values do not depend on the other rows: a decode batch
-    gives every sequence the logits it gets alone, as with QuantLinear's fused kernels. More rows
-    go to one BLAS product (`_product`)."""
+    Up to MAX_ROWS_ALONE rows of x are each multiplied alone (one matrix-vector product per row),
+    so that each row's values do not depend on the other rows: a decode batch gives every sequence
+    the logits it gets alone, as with QuantLinear's fused kernels. More rows go to one BLAS
+    product (`_product`)."""
+
+    # A decode batch's rows (`omlx serve`'s DECODE_GROUP); not more: each row is a pass over W,
+    # where a prefill chunk's rows are cheaper as one product.
+    MAX_ROWS_ALONE = 8
 
     def __init__(self, weight: np.ndarray):
         self.weight = np.ascontiguousarray(weight, dtype=np.float32)  # (out, in)
@@ -121,7 +125,7 @@ class DenseLinear:
         # x (..., in) float32 → (..., out) float32
         x2, lead = _as_rows(x, self.in_features)
         T = x2.shape[0]
-        if T <= QuantLinear.MATVEC_MAX_ROWS:
+        if T <= self.MAX_ROWS_ALONE:
             y = np.empty((T, self.out_features), dtype=np.float32)
             for i in range(T):
                 np.matmul(self.weight, x2[i], out=y[i])
@@ -185,10 +189,14 @@ class QuantLinear:
     """
 
     # x with at most this many rows goes to the fused matvec kernels (each block decoded once for
-    # up to 4 rows of x, `quant_matvec`); more rows to dequantized tiles and BLAS. A decode batch
-    # of up to 8 sequences (`omlx serve --max-batch 8`) is then one forward pass whose rows are
-    # each computed exactly as alone; the GEMM path becomes the faster one at about this size.
-    MATVEC_MAX_ROWS = 8
+    # up to 4 rows of x, `quant_matvec`), which compute every row exactly as alone; more rows to
+    # dequantized tiles and BLAS, which dequantize the whole matrix first. A decode batch (up to
+    # DenseLinear.MAX_ROWS_ALONE sequences per pass) and a short prompt chunk (a follow-up message,
+    # the tail of a prompt found in the prefix cache) take the kernels. Whole-model forward passes,
+    # kernels vs tiles (benchmarks/NOTES.md): 9 tokens SmolLM2 73 vs 148 ms, Gemma3 270M 66 vs 93,
+    # the 1B shape 263 vs 713; 16 tokens 103 vs 134, 88 vs 91, 421 vs 669, the 3B shape 950 vs
+    # 1900; at 24 Gemma3's Q4_K kernels are slower (120 vs 106), at 32-40 every model's but the 1B.
+    MATVEC_MAX_ROWS = 16
     # float32 values per dequantized tile (rows = TILE_VALUES // in_features, at least 16):
     # 2**22 values = 16 MiB (one buffer per thread), so that a small model's matrices are one tile
     # and one BLAS call each, as dense weights are: more, smaller calls are slower (each

@@ -143,10 +143,11 @@ def test_batched_rows_equal_single_rows_bit_for_bit(qtype):
     one): each result is the same float32 as that row's own matvec, so a sequence's logits do not
     depend on the batch it is decoded in."""
     raw = make(qtype, "random", 45, 768, seed=21)
-    x = np.random.default_rng(22).standard_normal((8, 768)).astype(np.float32)
-    alone = np.concatenate([qm.matvec(qtype, raw, x[t:t + 1]) for t in range(8)])
+    rows = weights.QuantLinear.MATVEC_MAX_ROWS  # a decode batch or a short prompt chunk
+    x = np.random.default_rng(22).standard_normal((rows, 768)).astype(np.float32)
+    alone = np.concatenate([qm.matvec(qtype, raw, x[t:t + 1]) for t in range(rows)])
     assert_product_close(alone, x, reference(raw, qtype))
-    for T in range(2, 9):
+    for T in range(2, rows + 1):
         np.testing.assert_array_equal(qm.matvec(qtype, raw, x[:T]).view(np.uint32), alone[:T].view(np.uint32),
                                       err_msg=f"{T} rows")
 

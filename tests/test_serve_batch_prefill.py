@@ -115,7 +115,7 @@ def test_smollm2_prefill_batch_equals_each_prompt_prefilled_alone(smollm2_path, 
 def test_gemma3_prefill_batch_equals_each_prompt_prefilled_alone(gemma3_path):
     engine = Engine.load(gemma3_path, kv="full")
     engine.disk_cache = False
-    prompts = [engine.encode_prompt(p * 3) for p in PROMPTS]
+    prompts = [engine.encode_prompt(p * 5) for p in PROMPTS]
     assert_batched_prefill_equals_alone(engine, [[], prompts[0], [], []], [np.asarray(p) for p in prompts],
                                         2048)
 

@@ -12,14 +12,16 @@ from gguf.quants import quantize
 from engine import weights
 from engine.engine import Engine
 from engine.kv.batch import DecodeBatch
+from engine.serve.scheduler import DECODE_GROUP
 from engine.weights import DenseLinear, QuantLinear
 
 from .tiny_gguf import write_tiny_model
 
 # (out_features, in_features) of SmolLM2 135M (K/V, Q/O, up/gate, down) and Gemma3 270M (K/V)
 SHAPES = [(192, 576), (576, 576), (1536, 576), (576, 1536), (256, 640)]
-# the fewest rows SmolLM2's chunks batch with (min_batched_chunk: 2048 outputs / 192 features)
-SMOLLM2_MIN_CHUNK = 11
+# the fewest rows SmolLM2's chunks batch with (min_batched_chunk: past the rows the fused kernels
+# take, 16; OpenBLAS's small-product bound, 2048 outputs / 192 features = 11, lies below)
+SMOLLM2_MIN_CHUNK = QuantLinear.MATVEC_MAX_ROWS + 1
 
 
 def q8_linear(rows: int, cols: int, seed: int) -> QuantLinear:
@@ -70,16 +72,30 @@ def test_quant_linear_rows_of_a_batch_equal_each_chunk_alone(out_features, in_fe
 
 
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
-def test_dense_linear_rows_up_to_matvec_max_rows_are_each_computed_alone(out_features, in_features):
+def test_dense_linear_rows_up_to_max_rows_alone_are_each_computed_alone(out_features, in_features):
     rng = np.random.default_rng(7)
     lin = DenseLinear(rng.standard_normal((out_features, in_features)).astype(np.float32))
-    x = rng.standard_normal((QuantLinear.MATVEC_MAX_ROWS, in_features)).astype(np.float32)
+    x = rng.standard_normal((DenseLinear.MAX_ROWS_ALONE, in_features)).astype(np.float32)
     alone = np.concatenate([lin(x[i : i + 1]) for i in range(len(x))])
-    for T in range(1, QuantLinear.MATVEC_MAX_ROWS + 1):
+    for T in range(1, DenseLinear.MAX_ROWS_ALONE + 1):
         np.testing.assert_array_equal(bits(lin(x[:T])), bits(alone[:T]), err_msg=f"{T} rows")
     assert lin(x[0]).shape == (out_features,)  # one vector in, one out
     with pytest.raises(ValueError, match="features"):
         lin(x[:, :-1])
+
+
+@pytest.mark.parametrize("out_features,in_features", SHAPES[:2])
+def test_quant_linear_short_chunks_take_the_fused_kernels_row_by_row_exact(out_features, in_features):
+    """Up to MATVEC_MAX_ROWS rows (a decode batch, a follow-up message's prefill) each row comes out
+    exactly as alone; one more row goes to the tiles and BLAS, which round differently."""
+    lin = q8_linear(out_features, in_features, seed=3)
+    rng = np.random.default_rng(4)
+    n = QuantLinear.MATVEC_MAX_ROWS
+    x = rng.standard_normal((n + 1, in_features)).astype(np.float32)
+    alone = np.concatenate([lin(x[i : i + 1]) for i in range(n + 1)])
+    for T in (2, 9, n):
+        np.testing.assert_array_equal(bits(lin(x[:T])), bits(alone[:T]), err_msg=f"{T} rows")
+    assert not np.array_equal(bits(lin(x)), bits(alone))  # the tile path: a different summation
 
 
 def test_dense_linear_many_rows_equal_each_chunk_alone():
@@ -95,7 +111,8 @@ def test_dense_linear_many_rows_equal_each_chunk_alone():
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_float32_model_decode_batch_logits_equal_each_sequence_alone(tmp_path, arch):
     """A model of float32 matrices (DenseLinear everywhere, the output layer too): a decode batch of
-    up to MATVEC_MAX_ROWS sequences gives each sequence the logits of its own decode step."""
+    up to DECODE_GROUP sequences (the serve scheduler's pass) gives each sequence the logits of its
+    own decode step."""
     path = write_tiny_model(tmp_path / f"tiny-{arch}.gguf", arch, context_length=256, weight_type=QT.F32,
                             seed=5)
     engine = Engine.load(path, kv="full")
@@ -103,7 +120,7 @@ def test_float32_model_decode_batch_logits_equal_each_sequence_alone(tmp_path, a
     assert isinstance(engine.model.lm_head, DenseLinear)
     prompts = [[5, 6, 7], list(range(40, 90)), [9] * 33, list(range(100, 117)), [4] * 12,
                list(range(60, 68)), [11, 12], list(range(20, 45))]
-    assert len(prompts) == QuantLinear.MATVEC_MAX_ROWS
+    assert len(prompts) == DECODE_GROUP
     pc = engine.prefix_cache()
 
     def prefilled():

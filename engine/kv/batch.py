@@ -14,12 +14,13 @@ arithmetic of the same call made alone.
 
 Whether the whole pass equals each sequence's own pass depends on the linear layers computing
 each row of x independently of the others: `weights.QuantLinear`'s fused kernels do so for up to
-MATVEC_MAX_ROWS rows, and `weights.DenseLinear` (one product per row up to as many); BLAS (the
-path for more rows) sums each row of a large enough product in
+MATVEC_MAX_ROWS rows, and `weights.DenseLinear` (one product per row up to its
+MAX_ROWS_ALONE); BLAS (the path for more rows) sums each row of a large enough product in
 an order that does not depend on how many rows there are, but differently from the fused
-kernels and from its own small-product paths. So a decode batch is exact up to MATVEC_MAX_ROWS
-sequences, and a prefill batch when every sequence's chunk alone would also have taken BLAS's
-large-product path (the scheduler's rule, `serve.scheduler.min_batched_chunk`).
+kernels and from its own small-product paths. So a decode batch is exact up to the smaller of
+the two (the scheduler's DECODE_GROUP sequences per pass), and a prefill batch when every
+sequence's chunk alone would also have taken BLAS's large-product path (the scheduler's rule,
+`serve.scheduler.min_batched_chunk`).
 """
 
 from __future__ import annotations

@@ -48,23 +48,24 @@ from ..errors import ContextFull, EngineError, KVPoolFull, OmlxError
 from ..kv.batch import DecodeBatch, PrefillBatch
 from ..memory import release_free_heap
 from ..sampling import Sampler, SamplingParams, StopStringMatcher
-from ..weights import QuantLinear
+from ..weights import DenseLinear, QuantLinear
 from .metrics import Metrics
 
 log = logging.getLogger("omlx.serve")
 
 IDLE_WAIT_S = 0.05  # how long an idle engine thread sleeps before looking at queue deadlines again
-# Sequences per forward pass of a decode step: the rows quantized matrices multiply with the fused
-# kernels, which compute every row of x exactly as they compute it alone (so greedy output is the
-# same alone or in a batch). A larger batch is decoded in several passes of this many rows; BLAS
-# (the path for more rows) would round differently.
-DECODE_GROUP = QuantLinear.MATVEC_MAX_ROWS
+# Sequences per forward pass of a decode step: rows that both kinds of linear layer compute
+# exactly as they compute each alone (quantized matrices: the fused kernels; float32 ones: one
+# product per row), so greedy output is the same alone or in a batch. A larger batch is decoded in
+# several passes of this many rows; BLAS (the path for more rows) would round differently.
+DECODE_GROUP = min(QuantLinear.MATVEC_MAX_ROWS, DenseLinear.MAX_ROWS_ALONE)
 # Prefill batches. A sequence's chunk joins another's forward pass only when the chunk alone
 # would be multiplied by the same kernels as inside the batch, so that its rows come out
 # bit-identical (greedy output the same as prefilled alone):
-# - more than MATVEC_MAX_ROWS rows: fewer go through the fused matvec kernels, which round
-#   differently from the dequantized tiles + BLAS that the batch's many rows take (whichever
-#   layout the product takes, `weights.TRANSPOSED_PRODUCT_MAX_ROWS`: both give the same bits);
+# - more than MATVEC_MAX_ROWS rows (and DenseLinear.MAX_ROWS_ALONE): fewer go through the fused
+#   matvec kernels (or one product per row), which round differently from the dequantized tiles +
+#   BLAS that the batch's many rows take (whichever layout the product takes,
+#   `weights.TRANSPOSED_PRODUCT_MAX_ROWS`: both give the same bits);
 # - and enough rows that no linear layer's product is "small" for OpenBLAS (numpy's BLAS), which
 #   takes other code paths, summing in another order, for products of up to about a thousand
 #   output values (rows x output features). Past that, a row's sums do not depend on how many
@@ -77,7 +78,8 @@ SMALL_GEMM_OUTPUTS = 2048
 def min_batched_chunk(model) -> int:
     """The fewest tokens a sequence's prefill chunk needs to join a batch (see above)."""
     narrowest = model.n_kv_heads * min(model.head_dim, model.value_dim)
-    return max(QuantLinear.MATVEC_MAX_ROWS + 1, -(-SMALL_GEMM_OUTPUTS // narrowest))
+    alone = max(QuantLinear.MATVEC_MAX_ROWS, DenseLinear.MAX_ROWS_ALONE)  # rows computed row by row
+    return max(alone + 1, -(-SMALL_GEMM_OUTPUTS // narrowest))
 
 
 class QueueTimeout(OmlxError):
