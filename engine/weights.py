@@ -195,7 +195,8 @@ class QuantLinear:
     # the tail of a prompt found in the prefix cache) take the kernels. Whole-model forward passes,
     # kernels vs tiles (benchmarks/NOTES.md): 9 tokens SmolLM2 73 vs 148 ms, Gemma3 270M 66 vs 93,
     # the 1B shape 263 vs 713; 16 tokens 103 vs 134, 88 vs 91, 421 vs 669, the 3B shape 950 vs
-    # 1900; at 24 Gemma3's Q4_K kernels are slower (120 vs 106), at 32-40 every model's but the 1B.
+    # 1900; at 24 Gemma3's Q4_K kernels are slower (120 vs 106), SmolLM2's tie from 32, the 3B's
+    # lose at 40.
     MATVEC_MAX_ROWS = 16
     # float32 values per dequantized tile (rows = TILE_VALUES // in_features, at least 16):
     # 2**22 values = 16 MiB (one buffer per thread), so that a small model's matrices are one tile
