@@ -42,7 +42,8 @@ from engine.catalog import resolve_model  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.kv.batch import DecodeBatch, PrefillBatch  # noqa: E402
 
-TOPICS = ["the sea", "mountains", "a small town", "autumn", "trains", "the moon", "bread", "rivers"]
+from bench_common import story_prompt  # noqa: E402  (benchmarks/, the script's folder)
+
 
 
 def linear_shapes(model) -> tuple[int, int]:
@@ -84,9 +85,8 @@ def _timed(fn) -> float:
 
 
 def prompts(engine: Engine, n: int) -> list[list[int]]:
-    return [engine.encode_chat([{"role": "user", "content":
-                                 f"Request {c}-0. Write a long, detailed story about {TOPICS[c % len(TOPICS)]}."}])
-            for c in range(n)]
+    """The first request of n bench_serve clients (rounds of 1), as token ids."""
+    return [engine.encode_chat([{"role": "user", "content": story_prompt(c, 0, 1)}]) for c in range(n)]
 
 
 def prefill_batch(engine: Engine, caches, chunks: list[list[int]]) -> None:

@@ -1,4 +1,4 @@
-"""What the benchmarks share: the gpl-3 prompt of a given length, and prefill + decode timing of
+"""What the benchmarks share: the gpl-3 prompt of a given length, bench_serve's chat prompts, and prefill + decode timing of
 several KV caches in alternating windows (one spec after the other, round by round), so that load
 from other processes on this shared machine hits every spec alike; the KV-tuning measurements'
 process CPU time and evaluation of specs on held-out texts."""
@@ -12,6 +12,15 @@ from pathlib import Path
 import numpy as np
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "texts" / "gpl-3.txt"
+# bench_serve's chat prompts (46 tokens with SmolLM2's chat template): client c's request r
+TOPICS = ["the sea", "mountains", "a small town", "autumn", "trains", "the moon", "bread", "rivers",
+          "libraries", "bicycles", "winter", "gardens", "clocks", "lighthouses", "bees", "storms"]
+
+
+def story_prompt(client: int, request: int, rounds: int) -> str:
+    """The chat prompt bench_serve's client sends as its request-th of `rounds` requests."""
+    topic = TOPICS[(client * rounds + request) % len(TOPICS)]
+    return f"Request {client}-{request}. Write a long, detailed story about {topic}."
 
 
 def prompt_ids(engine, n: int) -> list[int]:

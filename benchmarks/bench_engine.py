@@ -121,7 +121,9 @@ def measure_ours(engine: Engine, ids: list[int], kv: str, n_decode: int, rounds:
     return prefill[kv], float(np.median(decode[kv]))
 
 
-def measure_llama_cpp(path: Path, ids: list[int], kv: str, n_decode: int, rounds: int):
+def open_llama_cpp(path: Path, n_ctx: int, kv: str):
+    """llama.cpp's model (2 threads, batches of 512) with KV cache type kv ("f16", "q8_0", "q4_0"),
+    or None when llama-cpp-python is not importable."""
     try:
         import llama_cpp  # optional: never a dependency
     except ImportError:
@@ -130,8 +132,13 @@ def measure_llama_cpp(path: Path, ids: list[int], kv: str, n_decode: int, rounds
     if kv != "f16":  # quantized V needs flash attention in llama.cpp
         kind = {"q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}[kv]
         kwargs = dict(type_k=kind, type_v=kind, flash_attn=True)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + n_decode * rounds + 8, n_threads=2,
-                          n_batch=512, verbose=False, **kwargs)
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=2, n_batch=512, verbose=False, **kwargs)
+
+
+def measure_llama_cpp(path: Path, ids: list[int], kv: str, n_decode: int, rounds: int):
+    llm = open_llama_cpp(path, len(ids) + n_decode * rounds + 8, kv)
+    if llm is None:
+        return None
     t0 = time.perf_counter()
     llm.eval(ids)
     prefill = len(ids) / (time.perf_counter() - t0)
@@ -148,16 +155,9 @@ def measure_llama_cpp(path: Path, ids: list[int], kv: str, n_decode: int, rounds
 def paired_prefill(engine: Engine, path: Path, ids: list[int], kv: str, llama_kv: str, pairs: int):
     """`pairs` prefills of ids by ours and by llama.cpp, alternating; [(ours tok/s, llama.cpp tok/s)],
     or None without llama.cpp."""
-    try:
-        import llama_cpp  # optional: never a dependency
-    except ImportError:
+    llm = open_llama_cpp(path, len(ids) + 8, llama_kv)
+    if llm is None:
         return None
-    kwargs = {}
-    if llama_kv != "f16":
-        kind = {"q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}[llama_kv]
-        kwargs = dict(type_k=kind, type_v=kind, flash_attn=True)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + 8, n_threads=2, n_batch=512, verbose=False,
-                          **kwargs)
     out = []
     for _ in range(pairs):
         cache = engine.new_cache(kv)

@@ -47,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 from engine.catalog import resolve_model  # noqa: E402
 
-TOPICS = ["the sea", "mountains", "a small town", "autumn", "trains", "the moon", "bread", "rivers",
-          "libraries", "bicycles", "winter", "gardens", "clocks", "lighthouses", "bees", "storms"]
+from bench_common import story_prompt  # noqa: E402  (benchmarks/, the script's folder)
+
 
 
 def free_port() -> int:
@@ -143,8 +143,7 @@ def run_clients(url: str, model_id: str, clients: int, rounds: int, max_tokens: 
 
     def client(c: int) -> None:
         for r in range(rounds):
-            topic = TOPICS[(c * rounds + r) % len(TOPICS)]
-            prompt = f"Request {c}-{r}. Write a long, detailed story about {topic}."
+            prompt = story_prompt(c, r, rounds)
             if document_words:  # a long context of its own: a question about a document
                 prompt = (document_excerpt(document_words, None if shared_document else c * rounds + r) +
                           f"\n\nRequest {c}-{r}. Explain the text above in detail.")
