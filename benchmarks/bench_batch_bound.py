@@ -40,7 +40,8 @@ os.environ.setdefault("OMLX_KERNEL_WARMUP", "wait")  # measure the compiled path
 
 from engine.catalog import resolve_model  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.kv.batch import DecodeBatch, PrefillBatch  # noqa: E402
+from engine.kv.batch import DecodeBatch  # noqa: E402
+from engine.serve.scheduler import prefill_together  # noqa: E402
 
 from bench_common import story_prompt  # noqa: E402  (benchmarks/, the script's folder)
 
@@ -91,15 +92,10 @@ def prompts(engine: Engine, n: int) -> list[list[int]]:
 
 def prefill_batch(engine: Engine, caches, chunks: list[list[int]]) -> None:
     """One forward pass over every chunk, the output layer on each sequence's last row (as the
-    server's `Scheduler._prefill_batch`)."""
-    model = engine.model
-    batch = PrefillBatch(caches, [len(c) for c in chunks])
-    tokens = np.concatenate([np.asarray(c, np.int64) for c in chunks])
-    batch.begin_forward(tokens)
-    h = model.hidden(tokens, batch)
-    batch.end_forward()
-    for row in batch.last_rows():
-        model.output(h[row : row + 1])
+    server's `Scheduler._prefill_batch` does for prompts that end in the chunk)."""
+    h, last_rows = prefill_together(engine.model, caches, chunks)
+    for row in last_rows:
+        engine.model.output(h[row : row + 1])
 
 
 def measure(engine: Engine, clients: int, reps: int) -> dict:

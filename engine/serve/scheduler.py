@@ -82,6 +82,18 @@ def min_batched_chunk(model) -> int:
     return max(alone + 1, -(-SMALL_GEMM_OUTPUTS // narrowest))
 
 
+def prefill_together(model, caches: list, chunks: list) -> tuple[np.ndarray, np.ndarray]:
+    """One forward pass over the next chunk of every cache (`kv.batch.PrefillBatch`): the final
+    hidden states of all the chunks' tokens, concatenated (n_tokens, dim), and the row of each
+    chunk's last token. ContextFull / KVPoolFull leave every cache unchanged."""
+    batch = PrefillBatch(caches, [len(c) for c in chunks])
+    tokens = np.concatenate([np.asarray(c, np.int64) for c in chunks])
+    batch.begin_forward(tokens)
+    h = model.hidden(tokens, batch)
+    batch.end_forward()
+    return h, batch.last_rows()
+
+
 class QueueTimeout(OmlxError):
     """A request waited `queue_timeout` seconds without a free slot or KV budget."""
 
@@ -438,17 +450,13 @@ class Scheduler:
         MATVEC_MAX_ROWS rows at once would go through BLAS, which sums differently from the
         one-row products."""
         model = self.engine.model
-        batch = PrefillBatch([seq.cache for seq, _ in group], [n for _, n in group])
-        tokens = np.concatenate([np.asarray(seq.pending[:n], np.int64) for seq, n in group])
-        batch.begin_forward(tokens)
-        h = model.hidden(tokens, batch)  # (batch.n_tokens, dim)
-        batch.end_forward()
-        finishing = [(seq, row) for (seq, n), row in zip(group, batch.last_rows()) if n == len(seq.pending)]
+        h, last_rows = prefill_together(model, [seq.cache for seq, _ in group], [seq.pending[:n] for seq, n in group])
+        finishing = [(seq, row) for (seq, n), row in zip(group, last_rows) if n == len(seq.pending)]
         for seq, n in group:
             del seq.pending[:n]
         for seq, row in finishing:
             self._advance(seq, model.output(h[row : row + 1])[0])
-        return batch.n_tokens
+        return len(h)
 
     def _decode_step(self) -> bool:
         self._drop_cancelled()
