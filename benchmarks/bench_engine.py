@@ -14,7 +14,7 @@ Cases (model, context, our KV, llama.cpp's KV):
     3b-q4_0, 3b-q8_0  3B shape (3072 x 28 layers, 24/8 heads, FFN 8192), likewise
 
 The 1B / 3B files have random weights (speed and memory do not depend on them) and SmolLM2's
-tokenizer; `benchmarks/synth_speed.py` writes them into the models folder's synthetic/ on first use
+tokenizer; `tools/synth_speed.py` writes them into the models folder's synthetic/ on first use
 (never into the repository).
 
 Each case prefills the gpl-3 text (repeated to the context length) in one process, then decodes
@@ -57,7 +57,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMLX_KERNEL_WARMUP", "wait")  # measure the compiled paths, not the first-start fallbacks
 
 from engine.catalog import models_dir, resolve_model  # noqa: E402
@@ -101,7 +100,7 @@ def model_file(model: str) -> Path:
         source = resolve_model("smollm2-135m-instruct", fetch_missing=True)  # the tokenizer's source
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "synth_speed.py"), str(source), str(partial),
+        subprocess.run([sys.executable, str(ROOT / "tools" / "synth_speed.py"), str(source), str(partial),
                         *SYNTHETIC_SHAPES[base], "--quant", quant], check=True)
         partial.rename(path)
     return path

@@ -43,7 +43,6 @@ from pathlib import Path
 import httpx2 as httpx  # the HTTP client the openai package is built on
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from engine.catalog import resolve_model  # noqa: E402
 

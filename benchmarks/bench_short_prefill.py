@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMLX_KERNEL_WARMUP", "wait")  # measure the compiled paths
 
 from engine.catalog import resolve_model  # noqa: E402

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench_common import cpu_seconds, evaluate_on_texts  # noqa: E402  (benchmarks/, the script's folder)
 

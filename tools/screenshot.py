@@ -2,7 +2,7 @@
 the list, a pinned document (the first 60 lines of the Apache License 2.0) and two questions
 about it answered (streamed, the second reusing the cached prefix), the live memory chart running.
 
-    QT_QPA_PLATFORM=offscreen .venv/bin/python benchmarks/screenshot.py [--out docs/screenshot.png]
+    QT_QPA_PLATFORM=offscreen .venv/bin/python tools/screenshot.py [--out docs/screenshot.png]
                                                                          [--size 1440x900]
 
 Runs under the current display (QT_QPA_PLATFORM=offscreen when there is none; the window is
@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
