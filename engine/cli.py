@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from . import catalog, fit, hub
-from .catalog import CatalogError
-from .gguf_file import GGUFError, GGUFFile
+from .errors import OmlxError, describe
+from .gguf_file import GGUFFile
 from .kv.config import PRESETS, KVConfig, KVConfigError, estimate_bytes, parse_kv
 from .sampling import SamplingParams
-from .tokenizer import Tokenizer, TokenizerError
+from .tokenizer import Tokenizer
 
 log = logging.getLogger("omlx")
 
@@ -862,19 +862,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .engine import EngineError
-
+    """Exit 0, or 2 with `omlx: error: MESSAGE` on stderr for anything the user can act on (the
+    whole `OmlxError` family, bad arguments, files that cannot be read): never a traceback for
+    those. Anything else is a bug: exit 1 with a one-line `omlx: internal error`, the traceback
+    only under --verbose."""
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
     try:
         return args.func(args) or 0
-    except (CatalogError, GGUFError, TokenizerError, EngineError, CLIError, ValueError, OSError) as exc:
-        print(f"omlx: error: {exc}", file=sys.stderr)
+    except (OmlxError, CLIError, ValueError, OSError) as exc:
+        kind, message = describe(exc)
+        print(f"omlx: error: {message if kind != 'internal' else exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug: say so in one line; the traceback is for -v
+        if args.verbose:
+            log.exception("internal error")
+        print(f"omlx: internal error (a bug; `omlx -v ...` prints its traceback): {describe(exc)[1]}",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ def _architecture_module(gguf: GGUFFile):
 
 
 def model_args(gguf: GGUFFile):
-    """The architecture's ModelArgs from metadata alone (no weights are read)."""
-    return _architecture_module(gguf).ModelArgs.from_gguf(gguf)
+    """The architecture's arguments from metadata alone (no weights are read). Asked of the
+    module's `Model` class, the one name every architecture module defines."""
+    return _architecture_module(gguf).Model.args_from_gguf(gguf)
 
 
 def kv_geometry(gguf: GGUFFile) -> KVGeometry:

@@ -293,6 +293,13 @@ class BaseModel(ABC):
 
     @classmethod
     @abstractmethod
+    def args_from_gguf(cls, gguf):
+        """The architecture's arguments from metadata alone (no weights are read): what the fit
+        check and `omlx info` need before a load. Every architecture answers through its `Model`
+        class, so a subclass that shares its parent's arguments inherits this too."""
+
+    @classmethod
+    @abstractmethod
     def from_gguf(cls, gguf) -> "BaseModel": ...
 
     @abstractmethod

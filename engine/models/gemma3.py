@@ -142,8 +142,12 @@ class Model(BaseModel):
             self.lm_head = self.token_embd.as_linear()
 
     @classmethod
+    def args_from_gguf(cls, g: GGUFFile) -> ModelArgs:
+        return ModelArgs.from_gguf(g)
+
+    @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Model":
-        return cls(ModelArgs.from_gguf(g), WeightStore(g))
+        return cls(cls.args_from_gguf(g), WeightStore(g))
 
     def layer_window(self, layer: int) -> int | None:
         return None if self.args.is_global(layer) else self.args.sliding_window

@@ -160,8 +160,12 @@ class Model(BaseModel):
             self.lm_head = self.token_embd.as_linear()
 
     @classmethod
+    def args_from_gguf(cls, g: GGUFFile) -> ModelArgs:
+        return ModelArgs.from_gguf(g, cls.architecture)
+
+    @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Model":
-        return cls(ModelArgs.from_gguf(g, cls.architecture), WeightStore(g))
+        return cls(cls.args_from_gguf(g), WeightStore(g))
 
     def hidden(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         a = self.args

@@ -85,13 +85,14 @@ class OpenAIServer:
         # the names a request may use for the model: the listed id, the file's name and stem
         self.served_ids = tuple(dict.fromkeys([self.model_id, engine.name, engine.path.name, engine.path.stem]))
         self.created = int(time.time())
+        guarded = self._guarded
         routes = [
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics_text, methods=["GET"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/health", guarded("health", self.health), methods=["GET"]),
+            Route("/metrics", guarded("metrics", self.metrics_text), methods=["GET"]),
+            Route("/v1/models", guarded("models", self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", guarded("models", self.model), methods=["GET"]),
+            Route("/v1/chat/completions", guarded("chat", self.chat), methods=["POST"]),
+            Route("/v1/completions", guarded("completions", self.completions), methods=["POST"]),
         ]
         self.app = Starlette(routes=routes, lifespan=self._lifespan,
                              exception_handlers={404: self._not_found, 405: self._not_allowed})
@@ -114,6 +115,29 @@ class OpenAIServer:
     def _error(self, endpoint: str, err: ApiError) -> JSONResponse:
         self.metrics.request(endpoint, err.status)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    def _guarded(self, endpoint: str, handler):
+        """`handler` with whatever escapes it answered as an error object, never a bare 500 page or
+        a dropped connection: the family's errors as 4xx (their kind as the code), anything else
+        (a bug) as a 500 with its traceback in the log. The server goes on serving either way."""
+
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ApiError as err:
+                return self._error(endpoint, err)
+            except ClientDisconnect:
+                self.metrics.request(endpoint, 499)
+                return Response(status_code=499)
+            except (ContextFull, KVPoolFull, QueueTimeout) as exc:
+                return self._error(endpoint, self._failure(exc))
+            except OmlxError as exc:
+                return self._error(endpoint, ApiError(400, exc.user_message, code=exc.kind))
+            except Exception as exc:
+                log.exception("internal error answering %s %s", request.method, request.url.path)
+                return self._error(endpoint, self._failure(exc))
+
+        return run
 
     async def _not_found(self, request: Request, exc) -> JSONResponse:
         return self._error("other", ApiError(404, f"no route {request.method} {request.url.path}",
