@@ -225,6 +225,9 @@ def _loading_commands(text: Path, out: Path) -> dict[str, list[str]]:
         "ask": ["--question", "hi", "--max-tokens", "2"],
         "eval-kv": ["--text-file", str(text), "--n-tokens", "16", "--kv", "k4v4"],
         "kv-tune": ["--bits-per-value", "5", "--text-file", str(text), "--n-tokens", "16", "--no-verify"],
+        "chat": ["--max-tokens", "2"],
+        "bench": ["--out", str(out.parent / "bench"), "--kv", "k4v4"],
+        "serve": ["--port", "0"],  # refused before it would listen
     }
 
 
