@@ -1155,7 +1155,7 @@ def _decode_row(row, x, col, out, out_col):
 
 
 def _compute_decode_rows(table_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    """The pool's compute function for decode batches (`quant_matvec._COMPUTE_SIG`): sequences
+    """The pool's compute function for decode batches (`quant_matvec.COMPUTE_SIG`): sequences
     r0..r1-1 of the table into out's columns r - out_off."""
     table = carray(_i64_pointer(table_addr), (n_rows, row_bytes // 8))
     x = carray(f32_pointer(x_addr), (K, T))  # K = n_seqs rows of T (see above)
@@ -1175,9 +1175,9 @@ def decode_rows_address() -> int:
     if _decode_rows_cfunc is None:
         with _decode_rows_lock:
             if _decode_rows_cfunc is None:
-                from .quant_matvec import _COMPUTE_SIG
+                from .quant_matvec import COMPUTE_SIG
 
-                _decode_rows_cfunc = cfunc(_COMPUTE_SIG, nogil=True, cache=True)(_compute_decode_rows)
+                _decode_rows_cfunc = cfunc(COMPUTE_SIG, nogil=True, cache=True)(_compute_decode_rows)
     return _decode_rows_cfunc.address
 
 

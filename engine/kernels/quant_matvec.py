@@ -1009,6 +1009,8 @@ def _dq_iq4_xs(raw, rows, out):
 
 _COMPUTE_ARGS = 11  # raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1
 _COMPUTE_SIG = types.void(*([types.int64] * _COMPUTE_ARGS))
+# The signature of a compute function `run_rows` calls (public: kv_codes and int_matvec make their own)
+COMPUTE_SIG = _COMPUTE_SIG
 
 
 def _compute_q8_0(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
@@ -1645,7 +1647,7 @@ class Matvec:
 def run_rows(fn: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, chunk: int, chunk_bytes: int,
              keep: object = None) -> np.ndarray:
     """A job of the pool's shape that is not a matvec: out[:, r] for each row r of `raw` by the
-    compute function at address fn (a cfunc of `_COMPUTE_SIG`, called with raw, x and out by
+    compute function at address fn (a cfunc of `COMPUTE_SIG`, called with raw, x and out by
     address and a range of rows), rows shared with the pool's workers in chunks of `chunk` rows
     when there are several chunks, else all on the calling thread. raw: read-only C-contiguous
     (rows, bytes) uint8 (what a row means is fn's: `kv_codes` passes a table of sequences);

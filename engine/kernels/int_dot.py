@@ -1,0 +1,218 @@
+"""Integer dot-product instructions (VNNI, AVX2) for the exact-grade integer weight kernels.
+
+`engine.kernels.int_matvec` multiplies quantized weights with activations quantized to 16 bits
+per 32-value block (see docs/kernels.md); this module holds what those kernels share:
+
+* the instruction set they compile for, chosen once per process (`kernel_isa`): "avx512vnni"
+  (512-bit `vpdpwssd`), "avxvnni" (256-bit `vpdpwssd`, VEX-encoded on CPUs without AVX-512),
+  "avx2" (`vpmaddwd` + `vpaddd`, the same products without VNNI), or "float" (no integer kernels:
+  today's float kernels, the reference and the fallback). OMLX_KERNELS forces one;
+* `IntIR`, the LLVM IR of a lane-wise 2-way i16 dot product accumulated into i32 lanes, and the
+  8-bit `vpdpbusd` form (u8 x s8, 4-way), declared for the LLVM that llvmlite ships: LLVM 22 types
+  the operands as <32 x i16> / <64 x i8>, older LLVM as <16 x i32> (same bits);
+* the activation quantizer (`quantize_activations`) and the layout of its output.
+
+Activation layout (one row of x, K values, nb = K / 32 blocks), as float32 words so that the
+work-sharing pool copies it like any x (bit patterns, no arithmetic):
+    words [0, K/2)            int16 codes q, two per word: block b's 32 codes at words 16b..16b+15,
+                              in the order the kernels pair them with weights: word 2j + e holds
+                              the codes of values 4j + e and 4j + e + 2 (j = 0..7, e = 0, 1)
+    words [K/2, K/2 + nb)     float32 s_b = max|x_b| / 32767 (0 for an all-zero block)
+    words [+nb, +2nb)         int32 Q_b = sum of block b's codes
+    words [+2nb, +3nb)        float32 sQ_b = s_b * float32(Q_b)
+q = rint(x / s_b) in float32, |q| <= 32767: x = s_b * q up to s_b / 2, a relative precision of
+2**-16 of the block's largest value (the float path's activations are float32).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+from llvmlite import ir
+from numba import njit
+from numba.core import cgutils
+
+from ..errors import SettingsError
+from .vector_ir import I8, I16, I32, vector_type
+
+log = logging.getLogger("omlx.kernels")
+
+ISA_ENV = "OMLX_KERNELS"
+# In order of preference; "float" runs on every CPU.
+ISAS = ("avx512vnni", "avxvnni", "avx2", "float")
+# i32 lanes of the vectors each instruction set's kernels work in
+ISA_LANES = {"avx512vnni": 16, "avxvnni": 8, "avx2": 8}
+
+ACT_BLOCK = 32  # activation values per scale
+ACT_MAX = 32767  # largest |code|
+
+
+def _llvm_major() -> int:
+    from llvmlite import binding
+
+    return binding.llvm_version_info[0]
+
+
+# LLVM 22 declares vpdpwssd / vpdpbusd with i16 / i8 vector operands; LLVM up to 21 with i32 lanes.
+TYPED_VNNI_OPERANDS = _llvm_major() >= 22
+
+
+def isa_available(isa: str) -> bool:
+    """Whether this process can run kernels for `isa` (the host CPU, or the CPU numba targets)."""
+    from .vector_ir import _target_has
+
+    import platform
+
+    if isa == "float":
+        return True
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if isa == "avx512vnni":
+        return _target_has("avx512vnni") and _target_has("avx512bw") and _target_has("avx512f")
+    if isa == "avxvnni":  # the 256-bit form: AVX-VNNI, or AVX-512 VNNI with 256-bit vectors
+        return _target_has("avxvnni") or (_target_has("avx512vnni") and _target_has("avx512vl"))
+    if isa == "avx2":
+        return _target_has("avx2")
+    return False
+
+
+class KernelSelectionError(SettingsError):
+    """OMLX_KERNELS names an instruction set that does not exist or that this CPU lacks."""
+
+
+def select_isa(wanted: str | None = None) -> str:
+    """The instruction set of the integer kernels: `wanted` (or OMLX_KERNELS) when set, else the
+    best this CPU has. A forced set this CPU cannot run is an error, not a silent fallback."""
+    wanted = (os.environ.get(ISA_ENV, "") if wanted is None else wanted).strip().lower()
+    if wanted:
+        if wanted not in ISAS:
+            raise KernelSelectionError(f"{ISA_ENV}={wanted!r}: expected one of {', '.join(ISAS)}")
+        if not isa_available(wanted):
+            raise KernelSelectionError(f"{ISA_ENV}={wanted}: this CPU cannot run {wanted} kernels "
+                                       f"(it can run: {', '.join(i for i in ISAS if isa_available(i))})")
+        return wanted
+    return next(i for i in ISAS if isa_available(i))
+
+
+_isa: str | None = None
+
+
+def kernel_isa() -> str:
+    """The process's choice (made on first call, logged once)."""
+    global _isa
+    if _isa is None:
+        _isa = select_isa()
+        log.info("weight kernels: %s", describe(_isa))
+    return _isa
+
+
+def describe(isa: str) -> str:
+    return {
+        "avx512vnni": "integer (AVX-512 VNNI vpdpwssd, 16-bit activations)",
+        "avxvnni": "integer (AVX-VNNI 256-bit vpdpwssd, 16-bit activations)",
+        "avx2": "integer (AVX2 vpmaddwd, 16-bit activations)",
+        "float": "float32 (dequantize-and-FMA)",
+    }[isa]
+
+
+class IntIR:
+    """Integer dot products over an llvmlite builder, for one instruction set. Vectors are
+    <lanes x i32>; an i16 pair vector is the same bits as <2*lanes x i16>."""
+
+    def __init__(self, builder, isa: str):
+        self.b = builder
+        self.isa = isa
+        self.lanes = ISA_LANES[isa]
+
+    def _fn(self, name, ret, args):
+        return cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, args), name)
+
+    def dot2(self, acc, w, a):
+        """acc + (w.lo16 * a.lo16 + w.hi16 * a.hi16) lane by lane, exact in i32 (signed 16-bit
+        halves; the caller keeps the sums in range)."""
+        b, n = self.b, self.lanes
+        vi = vector_type(I32, n)
+        if self.isa == "avx2":
+            vh = vector_type(I16, 2 * n)
+            fn = self._fn("llvm.x86.avx2.pmadd.wd", vi, [vh, vh])
+            return b.add(acc, b.call(fn, [b.bitcast(w, vh), b.bitcast(a, vh)]))
+        name = "llvm.x86.avx512.vpdpwssd.512" if n == 16 else "llvm.x86.avx512.vpdpwssd.256"
+        if TYPED_VNNI_OPERANDS:
+            vh = vector_type(I16, 2 * n)
+            return b.call(self._fn(name, vi, [vi, vh, vh]), [acc, b.bitcast(w, vh), b.bitcast(a, vh)])
+        return b.call(self._fn(name, vi, [vi, vi, vi]), [acc, w, a])
+
+    def dot4u8s8(self, acc, w_u8, a_s8):
+        """acc + sum of the four u8 x s8 byte products of each lane (`vpdpbusd`; VNNI only)."""
+        b, n = self.b, self.lanes
+        assert self.isa in ("avx512vnni", "avxvnni")
+        vi = vector_type(I32, n)
+        name = "llvm.x86.avx512.vpdpbusd.512" if n == 16 else "llvm.x86.avx512.vpdpbusd.256"
+        if TYPED_VNNI_OPERANDS:
+            vb = vector_type(I8, 4 * n)
+            return b.call(self._fn(name, vi, [vi, vb, vb]), [acc, b.bitcast(w_u8, vb), b.bitcast(a_s8, vb)])
+        return b.call(self._fn(name, vi, [vi, vi, vi]), [acc, w_u8, a_s8])
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: float32 rows -> 16-bit codes per 32-value block (layout in the module docstring)
+# ---------------------------------------------------------------------------------------------
+
+
+def activation_words(k: int) -> int:
+    """float32 words of one quantized row of k values."""
+    return k // 2 + 3 * (k // ACT_BLOCK)
+
+
+# Position, within a block's 32 int16 slots, of each of its 32 values (value 4j + r goes to slot
+# 4j + PAIR_SLOT[r]: word 2j + e pairs values 4j + e and 4j + e + 2).
+PAIR_SLOT = (0, 2, 1, 3)
+
+
+@njit(nogil=True, cache=True)
+def _quantize(x, codes, scales, sums, scaled_sums):
+    T, K = x.shape
+    for t in range(T):
+        for b in range(K // 32):
+            k0 = 32 * b
+            amax = np.float32(0.0)
+            for i in range(32):
+                a = abs(x[t, k0 + i])
+                if a > amax:
+                    amax = a
+            s = amax / np.float32(32767.0)
+            total = 0
+            if s > 0:
+                for i in range(32):
+                    q = int(np.rint(x[t, k0 + i] / s))
+                    codes[t, k0 + (i & ~3) + ((i & 1) << 1) + ((i >> 1) & 1)] = q
+                    total += q
+            else:
+                for i in range(32):
+                    codes[t, k0 + i] = 0
+            scales[t, b] = s
+            sums[t, b] = total
+            scaled_sums[t, b] = s * np.float32(total)
+
+
+def quantize_activations(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """x (T, K) float32, C-contiguous, K a multiple of 32 -> (T, activation_words(K)) float32 words
+    in the layout above. NaN or infinite inputs give undefined codes (as they give NaN in floats)."""
+    T, K = x.shape
+    nb = K // ACT_BLOCK
+    if out is None:
+        out = np.empty((T, activation_words(K)), dtype=np.float32)
+    h = K // 2
+    _quantize(x, out[:, :h].view(np.int16), out[:, h : h + nb], out[:, h + nb : h + 2 * nb].view(np.int32),
+              out[:, h + 2 * nb :])
+    return out
+
+
+def split_activations(words: np.ndarray, k: int):
+    """The parts of quantized rows: (codes (T, k) int16 in slot order, s (T, nb), Q (T, nb) int32,
+    sQ (T, nb)) as views."""
+    h, nb = k // 2, k // ACT_BLOCK
+    return (words[:, :h].view(np.int16), words[:, h : h + nb], words[:, h + nb : h + 2 * nb].view(np.int32),
+            words[:, h + 2 * nb :])

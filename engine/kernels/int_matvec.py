@@ -1,0 +1,522 @@
+"""Exact-grade integer products with quantized weights: y = x @ W.T from repacked GGUF blocks.
+
+The arithmetic (docs/kernels.md has the whole design; `engine.kernels.int_reference` is the numpy
+emulation the kernels are tested against, bit for bit):
+
+    x row -> 16-bit codes q per 32-value block, scale s_b (`int_dot.quantize_activations`)
+    per output row r and block b:  I = sum_k c[r,k] * q[k]          (exact, int32)
+                                   blk = float32(I - off * Q_b) * (d[r,b] * s_b)   (+ m[r,b] * sQ_b)
+    y[r] = (((0 + blk_0) + blk_1) + ...)                             (float32, blocks in order)
+
+with c the type's integer weight codes (Q4_0: the nibbles 0..15 and off = 8; Q4_1: nibbles, plus
+its block minimum m; Q8_0: the signed bytes). Every x row is computed alone, the same operations
+whatever the batch: a row in a batch is bit-identical to the same row alone.
+
+Layout: each group of 16 consecutive weight rows is repacked block by block, so that one 512-bit
+vector holds the same 4 code bytes of 16 rows (lane r = row r): for group g and block b, GB =
+16 * (bytes per block) bytes:
+    16 float16 d (row order) | [16 float16 m] | code vectors P_j, 64 bytes each: byte 4r + i of
+    P_j = byte 4j + i of row r's block codes (Q4_0/Q4_1: j = 0..3, 16 nibble bytes; Q8_0: j = 0..7)
+The repacked matrix is viewed as (rows, bytes per row), the same shape as the file's, and replaces
+the mapped view (`repack`); `unpack_rows` gives rows back in GGUF order (embedding lookups).
+
+Per P_j (i32 lanes) the i16 pairs each `vpdpwssd` multiplies, without leaving the row's lane:
+    nibbles: P & 0x000F000F -> values (4j, 4j+2); P >> 8 & ... -> (4j+1, 4j+3);
+             P >> 4 & ... -> (16+4j, 16+4j+2); P >> 12 & ... -> (16+4j+1, 16+4j+3)
+    bytes:   (P16 << 8) >>a 8 -> (4j, 4j+2); P16 >>a 8 -> (4j+1, 4j+3)   (P16: P as i16 lanes)
+each against the activation word holding the same two values (broadcast to every lane).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType as QT
+from llvmlite import ir
+from numba import carray, cfunc, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import int_dot
+from .int_dot import IntIR, activation_words, quantize_activations
+from .vector_ir import F16, F32, I8, I32, I64, VectorIR, data_pointer, f32_pointer, prefetch_ahead, u8_pointer, vector_type
+
+log = logging.getLogger("omlx.kernels")
+
+GROUP = 16  # weight rows per repacked group (lanes of a 512-bit vector)
+
+
+class IntType:
+    """One weight type's integer form: its GGUF block (values, bytes), the float16 fields per
+    block (offsets), where its code bytes start, how many 4-byte code vectors a block has, the
+    code kind ("nibbles" 0..15 or "bytes" int8) and the offset subtracted from each code."""
+
+    def __init__(self, ggml_type, values, nbytes, scale_fields, codes_at, code_words, kind, offset):
+        self.ggml_type = ggml_type
+        self.values, self.nbytes = values, nbytes
+        self.scale_fields = scale_fields  # (d offset,) or (d offset, m offset)
+        self.codes_at, self.code_words, self.kind, self.offset = codes_at, code_words, kind, offset
+        self.has_min = len(scale_fields) == 2
+        self.header = 32 * len(scale_fields)
+        self.group_block = GROUP * nbytes
+
+
+INT_TYPES = {
+    QT.Q4_0: IntType(QT.Q4_0, 32, 18, (0,), 2, 4, "nibbles", 8),
+    QT.Q4_1: IntType(QT.Q4_1, 32, 20, (0, 2), 4, 4, "nibbles", 0),
+    QT.Q8_0: IntType(QT.Q8_0, 32, 34, (0,), 2, 8, "bytes", 0),
+}
+
+
+def supports(ggml_type, n_rows: int, in_features: int) -> bool:
+    t = INT_TYPES.get(ggml_type)
+    return t is not None and n_rows % GROUP == 0 and in_features % t.values == 0 and n_rows > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Repacking (numpy)
+# ---------------------------------------------------------------------------------------------
+
+
+def repack(raw: np.ndarray, ggml_type) -> np.ndarray:
+    """(rows, bytes) GGUF blocks -> the repacked layout, same shape (a new array)."""
+    t = INT_TYPES[ggml_type]
+    n_rows, row_bytes = raw.shape
+    nb = row_bytes // t.nbytes
+    blocks = raw.reshape(n_rows // GROUP, GROUP, nb, t.nbytes).transpose(0, 2, 1, 3)  # (G, nb, 16, ts)
+    out = np.empty((n_rows // GROUP, nb, t.group_block), dtype=np.uint8)
+    for i, off in enumerate(t.scale_fields):
+        out[:, :, 32 * i : 32 * i + 32] = blocks[:, :, :, off : off + 2].reshape(n_rows // GROUP, nb, 32)
+    codes = blocks[:, :, :, t.codes_at :].reshape(n_rows // GROUP, nb, GROUP, t.code_words, 4)
+    out[:, :, t.header :] = codes.transpose(0, 1, 3, 2, 4).reshape(n_rows // GROUP, nb, -1)
+    return out.reshape(n_rows, row_bytes)
+
+
+def unpack_rows(packed: np.ndarray, ggml_type, rows: np.ndarray) -> np.ndarray:
+    """Rows `rows` of a repacked matrix in GGUF block order ((len(rows), bytes) uint8)."""
+    t = INT_TYPES[ggml_type]
+    n_rows, row_bytes = packed.shape
+    nb = row_bytes // t.nbytes
+    g, r = np.divmod(np.asarray(rows, dtype=np.int64), GROUP)
+    grp = packed.reshape(n_rows // GROUP, nb, t.group_block)[g]  # (n, nb, GB)
+    out = np.empty((len(g), nb, t.nbytes), dtype=np.uint8)
+    idx = np.arange(len(g))
+    for i, off in enumerate(t.scale_fields):
+        f = grp[:, :, 32 * i : 32 * i + 32].reshape(len(g), nb, GROUP, 2)
+        out[:, :, off : off + 2] = f[idx, :, r]
+    codes = grp[:, :, t.header :].reshape(len(g), nb, t.code_words, GROUP, 4)
+    out[:, :, t.codes_at :] = codes[idx, :, :, r].reshape(len(g), nb, -1)
+    return out.reshape(len(g), row_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The group kernel: 16 weight rows x n rows of x, every block, in LLVM IR
+# ---------------------------------------------------------------------------------------------
+
+
+def _code_vectors(v, t: IntType, gb, lanes, half):
+    """The block's i16-pair weight vectors for `lanes` rows (rows lanes*half ..) of the group at
+    gb, each with the activation word it pairs with: [(<lanes x i32>, word), ...]."""
+    b = v.b
+    vi = vector_type(I32, lanes)
+    out = []
+    for j in range(t.code_words):
+        p = v.load(gb, t.header + 64 * j + 4 * lanes * half, vi, align=1)
+        if t.kind == "nibbles":
+            for shift, word in ((0, 2 * j), (8, 2 * j + 1), (4, 2 * (j + 4)), (12, 2 * (j + 4) + 1)):
+                out.append((v.and_(v.shr(p, shift) if shift else p, 0x000F000F), word))
+        else:
+            vh = vector_type(ir.IntType(16), 2 * lanes)
+            p16 = b.bitcast(p, vh)
+            eight = ir.Constant(vh, [8] * (2 * lanes))
+            even = b.ashr(b.shl(p16, eight), eight)
+            odd = b.ashr(p16, eight)
+            out.append((b.bitcast(even, vi), 2 * j))
+            out.append((b.bitcast(odd, vi), 2 * j + 1))
+    return out
+
+
+def make_group_dot(t: IntType, isa: str, n: int):
+    """Intrinsic gdot(raw, xw, y, g, t0, yoff): y[t0 + i, 16g - yoff + r] = row 16g + r of W
+    times row t0 + i of x, for r < 16 and i < n; raw the repacked matrix (rows, bytes) uint8, xw
+    quantized activations (T, words) float32 (`int_dot` layout), y (T, cols) float32."""
+
+    lanes = int_dot.ISA_LANES[isa]
+    halves = GROUP // lanes
+    n_int_accs = max(1, 4 // n)  # independent i32 chains per x row (latency of vpdpwssd)
+
+    @intrinsic
+    def gdot(typingctx, raw, xw, y, g, t0, yoff):
+        sig = types.void(raw, xw, y, g, t0, yoff)
+
+        def codegen(context, builder, signature, args):
+            v = VectorIR(builder)
+            ii = IntIR(builder, isa)
+            vf, vi = vector_type(F32, lanes), vector_type(I32, lanes)
+            rarr = context.make_array(signature.args[0])(context, builder, args[0])
+            row_bytes = cgutils.unpack_tuple(builder, rarr.shape, 2)[1]
+            rp = data_pointer(context, builder, signature.args[0], args[0])
+            xarr = context.make_array(signature.args[1])(context, builder, args[1])
+            words = cgutils.unpack_tuple(builder, xarr.shape, 2)[1]
+            xp = data_pointer(context, builder, signature.args[1], args[1])
+            yarr = context.make_array(signature.args[2])(context, builder, args[2])
+            ycols = cgutils.unpack_tuple(builder, yarr.shape, 2)[1]
+            yp = data_pointer(context, builder, signature.args[2], args[2])
+            gi, t0i, yoffi = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 4, 5))
+            c64 = lambda k: ir.Constant(I64, k)  # noqa: E731
+            nb = builder.sdiv(row_bytes, c64(t.nbytes))
+            h_words = builder.mul(nb, c64(16))  # activation code words per x row
+            group_base = v.gep(rp, builder.mul(builder.mul(gi, c64(GROUP)), row_bytes))
+            x_rows = [v.gep(xp, builder.mul(builder.add(t0i, c64(i)), builder.mul(words, c64(4)))) for i in range(n)]
+            zero_f = ir.Constant(vf, [0.0] * lanes)
+            zero_i = ir.Constant(vi, [0] * lanes)
+            faccs = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(n)] for _ in range(halves)]
+            with cgutils.for_range(builder, nb) as loop:
+                bi = loop.index
+                gb = v.gep(group_base, builder.mul(bi, c64(t.group_block)))
+                prefetch_ahead(builder, gb)
+                code_off = builder.mul(bi, c64(64))  # block b's code words start at byte 64b
+                s_off = builder.mul(builder.add(h_words, bi), c64(4))
+                q_off = builder.mul(builder.add(builder.add(h_words, nb), bi), c64(4))
+                sq_off = builder.mul(builder.add(builder.add(h_words, builder.mul(nb, c64(2))), bi), c64(4))
+                x_scale = [v.load(v.gep(xr, s_off), 0, F32, align=4) for xr in x_rows]
+                x_sum = [v.load(v.gep(xr, q_off), 0, I32, align=4) for xr in x_rows]
+                x_ssum = [v.load(v.gep(xr, sq_off), 0, F32, align=4) for xr in x_rows] if t.has_min else None
+                for h in range(halves):
+                    d = builder.fpext(v.load(gb, 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
+                    m = (builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
+                         if t.has_min else None)
+                    codes = _code_vectors(v, t, gb, lanes, h)
+                    for i in range(n):
+                        xc = v.gep(x_rows[i], code_off)
+                        accs = [zero_i] * n_int_accs
+                        for k, (w, word) in enumerate(codes):
+                            a = v.splat(v.load(xc, 4 * word, I32, align=4), lanes)
+                            accs[k % n_int_accs] = ii.dot2(accs[k % n_int_accs], w, a)
+                        total = accs[0]
+                        for extra in accs[1:]:
+                            total = builder.add(total, extra)
+                        if t.offset:
+                            total = builder.sub(total, v.splat(builder.mul(x_sum[i], ir.Constant(I32, t.offset)), lanes))
+                        blk = builder.fmul(builder.sitofp(total, vf), builder.fmul(d, v.splat(x_scale[i], lanes)))
+                        if t.has_min:
+                            blk = builder.fadd(blk, builder.fmul(m, v.splat(x_ssum[i], lanes)))
+                        builder.store(builder.fadd(builder.load(faccs[h][i]), blk), faccs[h][i])
+            col0 = builder.sub(builder.mul(gi, c64(GROUP)), yoffi)
+            for i in range(n):
+                yrow = v.gep(yp, builder.mul(builder.add(builder.add(t0i, c64(i)), c64(0)), builder.mul(ycols, c64(4))))
+                for h in range(halves):
+                    v.store(builder.load(faccs[h][i]), yrow, builder.mul(builder.add(col0, c64(lanes * h)), c64(4)))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return gdot
+
+
+# One intrinsic per (type, instruction set, rows of x at once)
+_GDOT = {(tt, isa, n): make_group_dot(INT_TYPES[tt], isa, n)
+         for tt in INT_TYPES for isa in int_dot.ISA_LANES for n in (1, 2, 4)}
+
+# Rows of x per pass over a group's blocks (each block's codes decoded once for them)
+_X_TILE = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels (numba), written out per type and instruction set: numba's disk cache keys each
+# function by its own source line. Groups r0/16 .. r1/16 of the matrix, every row of x.
+# ---------------------------------------------------------------------------------------------
+
+_g_q4_0_512_1, _g_q4_0_512_2, _g_q4_0_512_4 = (_GDOT[QT.Q4_0, "avx512vnni", n] for n in (1, 2, 4))
+_g_q4_0_256_1, _g_q4_0_256_2, _g_q4_0_256_4 = (_GDOT[QT.Q4_0, "avxvnni", n] for n in (1, 2, 4))
+_g_q4_0_avx2_1, _g_q4_0_avx2_2, _g_q4_0_avx2_4 = (_GDOT[QT.Q4_0, "avx2", n] for n in (1, 2, 4))
+_g_q4_1_512_1, _g_q4_1_512_2, _g_q4_1_512_4 = (_GDOT[QT.Q4_1, "avx512vnni", n] for n in (1, 2, 4))
+_g_q4_1_256_1, _g_q4_1_256_2, _g_q4_1_256_4 = (_GDOT[QT.Q4_1, "avxvnni", n] for n in (1, 2, 4))
+_g_q4_1_avx2_1, _g_q4_1_avx2_2, _g_q4_1_avx2_4 = (_GDOT[QT.Q4_1, "avx2", n] for n in (1, 2, 4))
+_g_q8_0_512_1, _g_q8_0_512_2, _g_q8_0_512_4 = (_GDOT[QT.Q8_0, "avx512vnni", n] for n in (1, 2, 4))
+_g_q8_0_256_1, _g_q8_0_256_2, _g_q8_0_256_4 = (_GDOT[QT.Q8_0, "avxvnni", n] for n in (1, 2, 4))
+_g_q8_0_avx2_1, _g_q8_0_avx2_2, _g_q8_0_avx2_4 = (_GDOT[QT.Q8_0, "avx2", n] for n in (1, 2, 4))
+
+
+@njit(nogil=True, cache=True)
+def _irows_q4_0_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q4_0_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q4_0_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q4_0_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q4_0_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q4_0_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q4_0_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q4_0_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q4_0_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q4_0_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q4_0_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q4_0_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q4_1_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q4_1_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q4_1_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q4_1_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q4_1_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q4_1_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q4_1_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q4_1_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q4_1_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q4_1_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q4_1_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q4_1_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q8_0_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q8_0_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q8_0_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q8_0_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q8_0_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q8_0_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q8_0_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q8_0_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q8_0_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q8_0_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q8_0_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q8_0_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+# The pool's compute functions (the signature of quant_matvec's, see `quant_matvec.run_rows`):
+# x is the quantized activations (T, words), rows are weight rows (multiples of 16 per chunk).
+
+def _c_q4_0_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q4_0_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q4_0_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q4_0_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q4_0_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q4_0_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q4_1_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q4_1_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q4_1_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q4_1_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q4_1_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q4_1_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q8_0_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q8_0_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q8_0_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q8_0_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q8_0_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q8_0_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+_COMPUTE_PY = {
+    (QT.Q4_0, "avx512vnni"): _c_q4_0_512, (QT.Q4_0, "avxvnni"): _c_q4_0_256, (QT.Q4_0, "avx2"): _c_q4_0_avx2,
+    (QT.Q4_1, "avx512vnni"): _c_q4_1_512, (QT.Q4_1, "avxvnni"): _c_q4_1_256, (QT.Q4_1, "avx2"): _c_q4_1_avx2,
+    (QT.Q8_0, "avx512vnni"): _c_q8_0_512, (QT.Q8_0, "avxvnni"): _c_q8_0_256, (QT.Q8_0, "avx2"): _c_q8_0_avx2,
+}
+_ROWS = {
+    (QT.Q4_0, "avx512vnni"): _irows_q4_0_512, (QT.Q4_0, "avxvnni"): _irows_q4_0_256,
+    (QT.Q4_0, "avx2"): _irows_q4_0_avx2, (QT.Q4_1, "avx512vnni"): _irows_q4_1_512,
+    (QT.Q4_1, "avxvnni"): _irows_q4_1_256, (QT.Q4_1, "avx2"): _irows_q4_1_avx2,
+    (QT.Q8_0, "avx512vnni"): _irows_q8_0_512, (QT.Q8_0, "avxvnni"): _irows_q8_0_256,
+    (QT.Q8_0, "avx2"): _irows_q8_0_avx2,
+}
+_cfuncs: dict = {}
+_cfunc_lock = threading.Lock()
+
+
+def compute_address(ggml_type, isa: str) -> int:
+    """The address of the (type, instruction set) compute function, compiled or loaded from
+    numba's disk cache on first use."""
+    key = (ggml_type, isa)
+    fn = _cfuncs.get(key)
+    if fn is None:
+        with _cfunc_lock:
+            fn = _cfuncs.get(key)
+            if fn is None:
+                from .quant_matvec import COMPUTE_SIG
+
+                fn = _cfuncs[key] = cfunc(COMPUTE_SIG, nogil=True, cache=True)(_COMPUTE_PY[key])
+    return fn.address
+
+
+class IntMatvec:
+    """y = x @ W.T by the integer kernels, for one matrix: W the GGUF blocks `raw` (rows, bytes),
+    repacked here (the caller drops `raw` and keeps `packed`)."""
+
+    __slots__ = ("ggml_type", "isa", "packed", "n_rows", "in_features", "compute", "chunk")
+
+    def __init__(self, ggml_type, raw: np.ndarray, in_features: int, isa: str, packed: np.ndarray | None = None):
+        from .quant_matvec import CHUNK_BYTES, readonly
+
+        if not supports(ggml_type, raw.shape[0], in_features) or isa not in int_dot.ISA_LANES:
+            raise ValueError(f"no integer kernel for {ggml_type.name} ({raw.shape[0]} x {in_features}) on {isa}")
+        self.ggml_type, self.isa = ggml_type, isa
+        self.packed = readonly(repack(raw, ggml_type) if packed is None else packed)
+        self.n_rows, self.in_features = raw.shape[0], in_features
+        self.compute = compute_address(ggml_type, isa)
+        self.chunk = max(16, (CHUNK_BYTES // raw.shape[1]) // 16 * 16)
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """x C-contiguous float32 (T, in_features) -> out (T, rows)."""
+        from .quant_matvec import run_rows
+
+        xw = quantize_activations(x)
+        return run_rows(self.compute, self.packed, xw, out, self.chunk, self.chunk * self.packed.shape[1] * x.shape[0])
+
+    def rows_gguf(self, rows: np.ndarray) -> np.ndarray:
+        return unpack_rows(self.packed, self.ggml_type, rows)
+
+
+_warm: set = set()
+
+
+def warm_up(ggml_types, isa: str) -> float:
+    """Compile or load the integer kernels of these types for `isa`; logs the time."""
+    todo = sorted({t for t in ggml_types if t in INT_TYPES and (t, isa) not in _warm}, key=lambda t: t.name)
+    if not todo or isa not in int_dot.ISA_LANES:
+        return 0.0
+    t0 = time.perf_counter()
+    x = np.zeros((1, 64), np.float32)
+    quantize_activations(x)
+    for t in todo:
+        it = INT_TYPES[t]
+        raw = np.zeros((GROUP, 64 // it.values * it.nbytes), np.uint8)
+        IntMatvec(t, raw, 64, isa)(x, np.empty((1, GROUP), np.float32))
+        _warm.add((t, isa))
+    seconds = time.perf_counter() - t0
+    log.info("integer kernels (%s) for %s ready in %.2f s", isa, ", ".join(t.name for t in todo), seconds)
+    return seconds

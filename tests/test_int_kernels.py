@@ -1,0 +1,160 @@
+"""Integer weight kernels (engine.kernels.int_matvec): every instruction set this CPU can run,
+forced in turn, bit-equal to the numpy emulation of their arithmetic (engine.kernels.int_reference)
+and within 1e-4 of the float64 product (relative to sum |x| |w|, the scale of a dot product)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
+
+from engine.kernels import int_dot, int_matvec, int_reference
+
+INT_ISAS = [i for i in int_dot.ISA_LANES if int_dot.isa_available(i)]
+TYPES = list(int_matvec.INT_TYPES)
+
+pytestmark = pytest.mark.skipif(not INT_ISAS, reason="no x86 integer instruction set on this CPU")
+
+
+def blocks(qtype, rows, cols, seed=0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.005, 0.05, (rows, 1))).astype(np.float32)
+    return np.ascontiguousarray(quantize(w, qtype)).view(np.uint8).reshape(rows, -1)
+
+
+def activations(T, K, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    x[:, 64:96] *= 1000.0  # a block of large values
+    x[:, 96:128] = 0.0  # an all-zero block
+    x[:, 128:160] *= 1e-6  # tiny values
+    x[0, 5] = 40.0  # an outlier inside a block
+    return x
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint32)
+
+
+def run(qtype, raw, x, isa):
+    mv = int_matvec.IntMatvec(qtype, raw, x.shape[1], isa)
+    return mv(np.ascontiguousarray(x), np.empty((x.shape[0], raw.shape[0]), np.float32))
+
+
+@pytest.mark.parametrize("isa", INT_ISAS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernels_equal_the_integer_emulation_and_the_float64_product(qtype, isa):
+    raw = blocks(qtype, 48, 512)
+    x = activations(7, 512)
+    y = run(qtype, raw, x, isa)
+    assert np.array_equal(bits(y), bits(int_reference.matvec(raw, qtype, x)))
+    w = dequantize(raw, qtype).astype(np.float64).reshape(48, 512)
+    exact = x.astype(np.float64) @ w.T
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
+    assert np.all(np.abs(y - exact) <= 1e-4 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("isa", INT_ISAS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_row_in_a_batch_equals_the_row_alone(qtype, isa):
+    raw = blocks(qtype, 32, 256, seed=3)
+    x = activations(64, 256, seed=4)
+    alone = np.concatenate([run(qtype, raw, x[i : i + 1], isa) for i in range(64)])
+    for n in range(1, 65):
+        assert np.array_equal(bits(run(qtype, raw, x[:n], isa)), bits(alone[:n])), n
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_instruction_set_gives_the_same_bits(qtype):
+    raw = blocks(qtype, 64, 1024, seed=5)
+    x = activations(5, 1024, seed=6)
+    ys = [run(qtype, raw, x, isa) for isa in INT_ISAS]
+    for y in ys[1:]:
+        assert np.array_equal(bits(y), bits(ys[0]))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_repacking_round_trips(qtype):
+    raw = blocks(qtype, 48, 256, seed=7)
+    packed = int_matvec.repack(raw, qtype)
+    assert packed.shape == raw.shape
+    assert np.array_equal(int_matvec.unpack_rows(packed, qtype, np.arange(48)), raw)
+    ids = np.array([47, 0, 17, 17, 31])
+    assert np.array_equal(int_matvec.unpack_rows(packed, qtype, ids), raw[ids])
+
+
+def test_activation_quantizer_matches_its_emulation():
+    x = activations(3, 256, seed=8)
+    words = int_dot.quantize_activations(x)
+    codes, s, Q, sQ = int_dot.split_activations(words, 256)
+    q_ref, s_ref, Q_ref, sQ_ref = int_reference.quantize_activations(x)
+    slots = np.array([4 * (v // 4) + int_dot.PAIR_SLOT[v % 4] for v in range(32)])
+    order = (np.arange(8)[:, None] * 32 + slots[None, :]).reshape(-1)
+    assert np.array_equal(codes[:, order].astype(np.int64), q_ref)
+    assert np.array_equal(bits(s), bits(s_ref)) and np.array_equal(Q, Q_ref) and np.array_equal(bits(sQ), bits(sQ_ref))
+    assert np.abs(q_ref).max() == int_dot.ACT_MAX
+    assert np.all(q_ref[:, 96:128] == 0)
+
+
+@pytest.mark.parametrize("isa", INT_ISAS)
+def test_assembly_uses_the_integer_instructions(isa):
+    packed = int_matvec.repack(blocks(QT.Q4_0, 16, 64), QT.Q4_0)
+    from numba import njit
+
+    fn = njit(int_matvec._ROWS[QT.Q4_0, isa].py_func)  # a fresh compilation (cached code has no assembly)
+    fn(packed, int_dot.quantize_activations(np.ones((1, 64), np.float32)), np.empty((1, 16), np.float32), 0, 16, 0)
+    asm = "\n".join(fn.inspect_asm(sig) for sig in fn.signatures)
+    # (on a CPU with VNNI, LLVM fuses the AVX2 path's vpmaddwd + vpaddd into one vpdpwssd ymm)
+    avx2 = r"vpmaddwd" if not int_dot.isa_available("avxvnni") else r"vpmaddwd|vpdpwssd\s+[^\n]*ymm"
+    want = {"avx512vnni": r"vpdpwssd\s+[^\n]*zmm", "avxvnni": r"vpdpwssd\s+[^\n]*ymm", "avx2": avx2}[isa]
+    assert re.search(want, asm)
+
+
+def test_vpdpbusd_is_declared_for_this_llvm():
+    """The 8-bit VNNI form (u8 x s8, four products per lane) compiles to vpdpbusd and sums right."""
+    if "avx512vnni" not in INT_ISAS:
+        pytest.skip("no AVX-512 VNNI")
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from engine.kernels.vector_ir import I32, data_pointer, vector_type
+
+    @intrinsic
+    def dot4(typingctx, acc, u, s):
+        def codegen(context, builder, signature, args):
+            p = [data_pointer(context, builder, t, a) for t, a in zip(signature.args, args)]
+            vi = vector_type(I32, 16)
+            ld = [builder.load(builder.bitcast(q, vi.as_pointer()), align=1) for q in p]
+            r = int_dot.IntIR(builder, "avx512vnni").dot4u8s8(ld[0], ld[1], ld[2])
+            builder.store(r, builder.bitcast(p[0], vi.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(acc, u, s), codegen
+
+    @njit
+    def f(acc, u, s):
+        dot4(acc, u, s)
+
+    rng = np.random.default_rng(9)
+    u = rng.integers(0, 256, 64).astype(np.uint8)
+    s = rng.integers(-128, 128, 64).astype(np.int8)
+    acc = np.arange(16, dtype=np.int32)
+    want = acc + (u.astype(np.int64) * s).reshape(16, 4).sum(1)
+    f(acc, u, s)
+    assert np.array_equal(acc, want)
+    assert "vpdpbusd" in f.inspect_asm(f.signatures[0])
+
+
+def test_kernel_selection(monkeypatch):
+    monkeypatch.setenv(int_dot.ISA_ENV, "float")
+    assert int_dot.select_isa() == "float"
+    monkeypatch.setenv(int_dot.ISA_ENV, "sse9")
+    with pytest.raises(int_dot.KernelSelectionError, match="expected one of"):
+        int_dot.select_isa()
+    monkeypatch.delenv(int_dot.ISA_ENV)
+    assert int_dot.select_isa() == INT_ISAS[0]
+    for isa in INT_ISAS:
+        assert int_dot.select_isa(isa) == isa
