@@ -193,7 +193,7 @@ class QuantLinear:
     # dequantized tiles and BLAS, which dequantize the whole matrix first. A decode batch (up to
     # DenseLinear.MAX_ROWS_ALONE sequences per pass) and a short prompt chunk (a follow-up message,
     # the tail of a prompt found in the prefix cache) take the kernels. Whole-model forward passes,
-    # kernels vs tiles (benchmarks/NOTES.md): 9 tokens SmolLM2 73 vs 148 ms, Gemma3 270M 66 vs 93,
+    # kernels vs tiles (docs/performance.md): 9 tokens SmolLM2 73 vs 148 ms, Gemma3 270M 66 vs 93,
     # the 1B shape 263 vs 713; 16 tokens 103 vs 134, 88 vs 91, 421 vs 669, the 3B shape 950 vs
     # 1900; at 24 Gemma3's Q4_K kernels are slower (120 vs 106), SmolLM2's tie from 32, the 3B's
     # lose at 40.
