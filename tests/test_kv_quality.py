@@ -1,7 +1,7 @@
 """Quantized-KV quality on the real models, measured as decode sees the cache.
 
-The issue's bars are for 2,048 tokens of gpl-3 (benchmarks/bench_kv_quality.py prints them and
-the README records them); the tests use the first 512 tokens to stay quick.
+The issue's bars are for 2,048 tokens of gpl-3 (`benchmarks/bench_kv.py quality` prints them and
+docs/performance.md records them); the tests use the first 512 tokens to stay quick.
 """
 
 from __future__ import annotations

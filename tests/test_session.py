@@ -67,7 +67,7 @@ def test_cache_hit_with_quantized_kv_is_as_close_as_eval_kv_says(smollm2_path):
     # The reused blocks are the blocks a cold prefill writes, but a different chunking moves
     # float rounding enough to flip a few 4-bit codes: the two runs may differ by a little,
     # never by more than k4v4 itself differs from 16-bit KV (eval-kv at 2,048 tokens: mean KL
-    # 0.00725, README).
+    # 0.00725, docs/performance.md).
     lp_hit, lp_cold = log_softmax(hit), log_softmax(cold)
     kl = float(np.mean(np.sum(np.exp(lp_cold) * (lp_cold - lp_hit), axis=-1)))
     assert kl < 0.00725
