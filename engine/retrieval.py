@@ -46,7 +46,14 @@ OVERLAP_TOKENS = 64
 INDEX_FORMAT = 1
 SECTION_OVERHEAD_TOKENS = 12  # a section's "[lines 120-161]" label and the blank lines around it
 
-_WORD = re.compile(r"\w\w+|\d+", re.UNICODE)
+# Scripts written without spaces between words: Han (CJK ideographs, extensions A and B and the
+# compatibility block), Japanese kana, Hangul (syllables, jamo) and Thai (with its vowel and tone
+# marks, which \w does not match). A run of them is indexed as overlapping character bigrams, as
+# Lucene's CJK analyzer does ("内存增长" -> 内存 存增 增长; a lone character stays a unigram): no
+# dictionary, and a question's bigrams meet the document's wherever the same words occur.
+_UNSPACED = ("\u0e00-\u0e7f\u1100-\u11ff\u3040-\u309f\u30a0-\u30ff\u3130-\u318f\u3400-\u4dbf"
+             "\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\U00020000-\U0002ebef")
+_WORD = re.compile(rf"([{_UNSPACED}]+)|((?:(?![{_UNSPACED}])\w)+)", re.UNICODE)
 
 
 @dataclass(frozen=True)
@@ -98,12 +105,19 @@ class Section:
 
 def words(text: str) -> list[str]:
     """The words BM25 counts: lower-cased runs of letters/digits (two characters at least, or
-    any number), English stop words left out, a plural "s" taken off."""
+    any number), English stop words left out, a plural "s" taken off; a run of Chinese,
+    Japanese, Korean or Thai characters as its character bigrams (see _UNSPACED)."""
     from bm25s.stopwords import STOPWORDS_EN
 
     out = []
-    for w in _WORD.findall(text.lower()):
-        if w in STOPWORDS_EN:
+    for unspaced, w in _WORD.findall(text.lower()):
+        if unspaced:
+            if len(unspaced) == 1:
+                out.append(unspaced)
+            else:
+                out.extend(unspaced[i:i + 2] for i in range(len(unspaced) - 1))
+            continue
+        if not (len(w) >= 2 or w.isdigit()) or w in STOPWORDS_EN:
             continue
         if len(w) > 3 and w.endswith("s") and not w.endswith("ss"):
             w = w[:-1]

@@ -226,3 +226,38 @@ def test_ask_with_a_small_context_answers_a_long_document_by_retrieval(smollm2_p
         capture_output=True, text=True, timeout=900,
     )
     assert refused.returncode != 0 and "context holds 2,048" in refused.stderr
+
+
+# -- Chinese, Japanese, Korean, Thai ----------------------------------------------------------
+def test_unspaced_scripts_are_indexed_as_character_bigrams():
+    assert retrieval.words("内存增长公式是什么？") == ["内存", "存增", "增长", "长公", "公式", "式是", "是什", "什么"]
+    assert retrieval.words("东 and 京") == ["东", "京"]  # a lone character: a unigram
+    assert retrieval.words("SmolLM2模型的 KV cache") == ["smollm2", "模型", "型的", "kv", "cache"]
+    assert retrieval.words("東京タワー") == ["東京", "京タ", "タワ", "ワー"]
+    assert retrieval.words("한국어 문서") == ["한국", "국어", "문서"]
+    assert retrieval.words("ภาษาไทย") == ["ภา", "าษ", "ษา", "าไ", "ไท", "ทย"]  # vowel marks kept
+    # Latin words as before
+    assert retrieval.words("The access codes for gate 7") == ["access", "code", "gate", "7"]
+
+
+def chinese_document(repeat: int = 2) -> tuple[str, list[dict]]:
+    """The Chinese QA set: zh-filler.txt ``repeat`` times with its six facts at their depths."""
+    from engine import bench
+
+    facts = bench.read_facts(bench.QA_DIR / "facts-zh.json")
+    filler = (bench.QA_DIR / "zh-filler.txt").read_text().strip().split("\n\n") * repeat
+    for depth, fact in sorted(zip(facts["depths"], facts["facts"]), key=lambda x: -x[0]):
+        filler.insert(round(depth * len(filler)), fact["fact"])
+    return "\n\n".join(filler), facts["facts"]
+
+
+def test_a_chinese_question_ranks_the_chunk_holding_its_fact_first():
+    text, facts = chinese_document()
+    assert len(text) > 4000
+    index = DocumentIndex.build(text, len)  # about one token per character
+    assert len(index.chunks) >= 12
+    first = 0
+    for fact in facts:
+        best = retrieval.rank(fact["question"], [("镇志.txt", index)])[0]
+        first += fact["fact"] in index.chunk_text(index.chunks[best.chunk])
+    assert first >= 5, f"{first} of 6 facts ranked first"
