@@ -176,3 +176,106 @@ class PrefillBatch(SequenceBatch):
     def last_rows(self) -> np.ndarray:
         """(n,) index of each sequence's last row in the batch's tokens."""
         return self.bounds[1:] - 1
+
+
+class VerifyLayer(LayerKVCache):
+    """One layer of a VerifyBatch: row i of q, k, v is stored and attended exactly as the decode
+    step of that token alone would be (the layer's own one-token `attend`), in order, with
+    out-of-window releases held back until the batch is finished (a rejected row may be trimmed
+    back over blocks a window layer would otherwise have let go)."""
+
+    def __init__(self, layer: LayerKVCache):
+        self.layer = layer
+        # A layer keeping attention mass (the `attention` overflow policy): the mass after each
+        # row, so that a rollback keeps exactly the kept rows' contributions, summed as the
+        # decode steps would have.
+        self.mass_after: list[np.ndarray] = []
+
+    @property
+    def offset(self) -> int:
+        return self.layer.offset
+
+    def attend(self, q, k, v, *, scale, window):
+        T, H, _ = q.shape
+        track = getattr(self.layer, "track_attention", False)
+        out = None
+        for i in range(T):
+            o = self.layer.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], scale=scale, window=window)
+            if out is None:
+                out = np.empty((T, H, o.shape[-1]), np.float32)
+            out[i] = o[0]
+            if track:
+                self.mass_after.append(self.layer.attn_mass.copy())
+        return out
+
+    def roll_back_mass(self, n_kept: int) -> None:
+        if self.mass_after and 0 < n_kept <= len(self.mass_after):
+            self.layer.attn_mass = self.mass_after[n_kept - 1]
+        self.mass_after = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.layer.nbytes
+
+    def trim(self, n: int) -> None:
+        raise TypeError("a verify batch is rolled back with VerifyBatch.finish")
+
+
+class VerifyBatch(KVCache):
+    """T tokens of one sequence in one forward pass whose every row equals the decode step of
+    that token alone: the linear layers take all T rows at once (one pass over the weights; exact
+    per row up to the model's `exact_rows`), each layer's attention runs the rows one by one
+    through the sequence's one-token path. Speculative decoding verifies a draft this way and
+    keeps a prefix of it: `finish(n_rejected)` trims the rest so that the cache equals one that
+    never held them (the last filled block's rows come back exactly, `PagedLayerCache.trim`),
+    then publishes full blocks and releases out-of-window ones as a normal forward pass would
+    have.
+
+    The draft must fit without the overflow policy dropping anything (`room`): a drop could not
+    be undone."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        super().__init__([VerifyLayer(layer) for layer in cache.layers])
+        self.limit = cache.limit
+        self._deferred: list = []
+        self._n_tokens = 0
+
+    @staticmethod
+    def room(cache: KVCache) -> int:
+        """Tokens a verify batch on `cache` may append (no drop, no context end)."""
+        limit = cache.limit
+        return (1 << 30) if limit is None else max(0, limit - cache.offset)
+
+    def positions(self, n_tokens: int) -> np.ndarray:
+        return self.cache.positions(n_tokens)
+
+    def begin_forward(self, tokens: np.ndarray) -> None:
+        if len(tokens) > self.room(self.cache):
+            raise ContextFull(f"a draft of {len(tokens)} tokens does not fit: {self.cache.offset:,} of "
+                              f"the context limit of {self.cache.limit:,} are used")
+        for layer in self.cache.layers:  # no release until the rejected rows are trimmed
+            if hasattr(layer, "defer_release"):
+                self._deferred.append((layer, layer.defer_release))
+                layer.defer_release = True
+        self.cache.begin_forward(tokens)
+        self._n_tokens = len(tokens)
+
+    def end_forward(self) -> None:
+        """Nothing yet: what a forward pass ends with happens in `finish`, after the rollback."""
+
+    def finish(self, n_rejected: int) -> None:
+        """Forget the last `n_rejected` rows, then end the forward pass for what stays."""
+        try:
+            if n_rejected:
+                for layer in self.layers:
+                    layer.roll_back_mass(self._n_tokens - n_rejected)
+                self.cache.trim(n_rejected)
+        finally:
+            for layer, deferred in self._deferred:
+                layer.defer_release = deferred
+            self._deferred.clear()
+        self.cache.end_forward()
+        for layer in self.cache.layers:
+            if hasattr(layer, "release_out_of_window") and not getattr(layer, "defer_release", False):
+                layer.release_out_of_window()

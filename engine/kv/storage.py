@@ -75,6 +75,11 @@ class PagedLayerCache(LayerKVCache):
         self.track_attention = track_attention
         self.attn_mass = np.zeros(0, np.float32)
         self.defer_release = defer_release
+        # The float16-rounded rows of the block that filled last, (pool id, K (Hkv, B, D),
+        # V (Hkv, B, Dv)): a trim that reopens that block gets them back exactly instead of
+        # dequantized, so rolling back a rejected speculative draft leaves the layer as if it
+        # had never held the draft.
+        self._closed: tuple[int, np.ndarray, np.ndarray] | None = None
 
     @property
     def use_kernels(self) -> bool:
@@ -142,6 +147,8 @@ class PagedLayerCache(LayerKVCache):
         mass = self._mass_upto(start + 1)[old_first : start + 1] if self.track_attention else NO_MASS
         k_rows, v_rows = self.row_addresses()
         filled = self._store(self.tail_k, self.tail_v, 1) if n + 1 == B else []
+        if filled:
+            self._closed = (filled[0], self.tail_k.copy(), self.tail_v.copy())
         query = np.ascontiguousarray(q[0].reshape(Hkv, H // Hkv, D), dtype=np.float32)
         return DecodeView(query, start, k_rows, v_rows, old_first, n_sink_old, self.sink_k, self.sink_v,
                           self.tail_k, self.tail_v, n + 1, mass, filled)
@@ -180,8 +187,15 @@ class PagedLayerCache(LayerKVCache):
             return
         first_visible = self.offset - self.window + 1  # the next query's oldest visible key
         while self.block_table and self.first_position + self.B <= first_visible:
+            self._forget_closed(self.block_table[0])
             self.pool.decref(self.block_table.pop(0))
             self.first_position += self.B
+
+    def _forget_closed(self, block: int | None = None) -> None:
+        """The exact rows of the last filled block no longer apply once it leaves the table by
+        any way but `trim` (its pool id may come back as another block's)."""
+        if self._closed is not None and (block is None or self._closed[0] == block):
+            self._closed = None
 
     def _append(self, k16: np.ndarray, v16: np.ndarray, dequantized: bool = False):
         """Store new tokens' float16-rounded keys/values (Hkv, T, D), (Hkv, T, Dv) (keys already
@@ -210,6 +224,9 @@ class PagedLayerCache(LayerKVCache):
                 recent_kq[:, : n_full * B] = kq.transpose(1, 0, 2, 3).reshape(Hkv, n_full * B, D)
                 recent_vq[:, : n_full * B] = vq.transpose(1, 0, 2, 3).reshape(Hkv, n_full * B, -1)
         self.block_table.extend(new_blocks)
+        if n_full:
+            last = slice((n_full - 1) * B, n_full * B)
+            self._closed = (new_blocks[-1], recent_k[:, last].copy(), recent_v[:, last].copy())
         n_rest = R - n_full * B
         self.tail_k[:, :n_rest] = recent_k[:, n_full * B :]
         self.tail_v[:, :n_rest] = recent_v[:, n_full * B :]
@@ -297,9 +314,11 @@ class PagedLayerCache(LayerKVCache):
         return self.tail_k.nbytes + self.tail_v.nbytes + self.sink_k.nbytes + self.sink_v.nbytes
 
     def trim(self, n: int) -> None:
-        """Forget the last n tokens. Tokens of a quantized block that stay come back into the tail
-        as stored (dequantized), which is what later queries would have seen anyway except that
-        they are now in the unfinished block."""
+        """Forget the last n tokens. Tokens of a quantized block that stay come back into the tail:
+        exactly as they were before the block filled when it is the block that filled last (a
+        rolled-back speculative draft, see `kv.batch.VerifyBatch`), else as stored (dequantized),
+        which is what later queries would have seen anyway except that they are now in the
+        unfinished block."""
         target = max(0, self.offset - n)
         # The next query (at `target`) needs the window - 1 keys before it too.
         lowest = target if self.window is None else max(0, target - self.window + 1)
@@ -307,10 +326,16 @@ class PagedLayerCache(LayerKVCache):
             raise ValueError("cannot trim into blocks a sliding window already released")
         while self.offset - self.n_tail > target:  # the tail starts after target: reopen a block
             block = self.block_table.pop()
-            k, v = self.pool.dequantize([block])
+            if self._closed is not None and self._closed[0] == block:
+                _, exact_k, exact_v = self._closed
+                self.tail_k[:] = exact_k
+                self.tail_v[:] = exact_v
+            else:
+                k, v = self.pool.dequantize([block])
+                self.tail_k[:] = k[0]
+                self.tail_v[:] = v[0]
+            self._closed = None
             self.pool.decref(block)
-            self.tail_k[:] = k[0]
-            self.tail_v[:] = v[0]
             self.offset -= self.n_tail
             self.n_tail = self.B
             s = self.offset - self.B
@@ -353,6 +378,7 @@ class PagedLayerCache(LayerKVCache):
             rerotate: (keys (T, Hkv, D), by (T,)) → keys at position + by.
             allocate: () → a new pool block id (may evict cached blocks), or None.
         """
+        self._forget_closed()
         B = self.B
         dropped = np.asarray(dropped, dtype=np.int64)
         base = self.first_position // B
@@ -406,6 +432,7 @@ class PagedLayerCache(LayerKVCache):
 
     def release(self) -> None:
         """Return every block to the pool."""
+        self._forget_closed()
         for block in self.block_table:
             self.pool.decref(block)
         self.block_table.clear()
