@@ -1,7 +1,9 @@
-"""`omlx serve`: an OpenAI-compatible HTTP server over one Engine with continuous batching.
+"""`omlx serve`: an OpenAI- and Anthropic-compatible HTTP server over one Engine with continuous
+batching.
 
     app.py        the Starlette app (routes, validation, SSE), ServeConfig, run / ServerThread
-    protocol.py   request bodies checked field by field; OpenAI's error object (ApiError)
+    protocol.py   OpenAI request bodies checked field by field; its answers and error object (ApiError)
+    anthropic.py  the Messages API: requests, answers, streamed events, error object
     scheduler.py  the engine thread: admission by KV budget, chunked prefill, batched decode
     metrics.py    counters, gauges and histograms in the Prometheus text format
 """

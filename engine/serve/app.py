@@ -3,8 +3,9 @@ and hand it to the `Scheduler`'s engine thread, then answer with the result or s
 server-sent events. Served by uvicorn (`run`, or `ServerThread` for tests and the desktop app).
 
 Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/chat/completions,
-POST /v1/completions. Every failure is OpenAI's error object with a 4xx status (a 5xx only for an
-engine failure that is not the request's fault).
+POST /v1/completions (OpenAI's API), POST /v1/messages, POST /v1/messages/count_tokens
+(Anthropic's, see anthropic.py). Every failure is the API's error object with a 4xx status (a 5xx
+only for an engine failure that is not the request's fault).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from starlette.routing import Route
 from ..engine import Engine
 from ..errors import ContextFull, KVPoolFull, OmlxError, SettingsError, describe
 from .metrics import Metrics
-from .protocol import ApiError, bad, parse_chat, parse_completion
+from .anthropic import MessagesView, new_message_id, parse_messages
+from .anthropic import error_body as anthropic_error_body
+from .protocol import ApiError, OpenAIView, bad, parse_chat, parse_completion
 from .scheduler import Failed, Finished, Job, QueueTimeout, Scheduler, ServeLimits, Started, Token
 
 log = logging.getLogger("omlx.serve")
@@ -36,6 +39,8 @@ log = logging.getLogger("omlx.serve")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 MAX_BODY_BYTES = 4 << 20  # request bodies above this are refused (413) before they are parsed
+DRAIN_MAX_BYTES = 256 << 20  # an oversized body is read (and dropped) this far before the 413 goes out
+ANTHROPIC_ENDPOINTS = ("messages", "count_tokens")  # answered with Anthropic's error object
 RETRY_AFTER_S = 5  # the Retry-After of a 429: a guess at when a slot or KV budget frees up
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks whether its client left
 
@@ -93,6 +98,8 @@ class OpenAIServer:
             Route("/v1/models/{model_id:path}", guarded("models", self.model), methods=["GET"]),
             Route("/v1/chat/completions", guarded("chat", self.chat), methods=["POST"]),
             Route("/v1/completions", guarded("completions", self.completions), methods=["POST"]),
+            Route("/v1/messages", guarded("messages", self.messages), methods=["POST"]),
+            Route("/v1/messages/count_tokens", guarded("count_tokens", self.count_tokens), methods=["POST"]),
         ]
         self.app = Starlette(routes=routes, lifespan=self._lifespan,
                              exception_handlers={404: self._not_found, 405: self._not_allowed})
@@ -113,8 +120,14 @@ class OpenAIServer:
 
     # -- plumbing ------------------------------------------------------------------------------
     def _error(self, endpoint: str, err: ApiError) -> JSONResponse:
+        """`err` answered in the shape of the endpoint's API (Anthropic's for /v1/messages)."""
         self.metrics.request(endpoint, err.status)
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        body = anthropic_error_body(err) if endpoint in ANTHROPIC_ENDPOINTS else err.body()
+        return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+    @staticmethod
+    def _endpoint_of(request: Request) -> str:
+        return "messages" if request.url.path.startswith("/v1/messages") else "other"
 
     def _guarded(self, endpoint: str, handler):
         """`handler` with whatever escapes it answered as an error object, never a bare 500 page or
@@ -140,38 +153,40 @@ class OpenAIServer:
         return run
 
     async def _not_found(self, request: Request, exc) -> JSONResponse:
-        return self._error("other", ApiError(404, f"no route {request.method} {request.url.path}",
-                                             code="not_found"))
+        return self._error(self._endpoint_of(request),
+                           ApiError(404, f"no route {request.method} {request.url.path}", code="not_found"))
 
     async def _not_allowed(self, request: Request, exc) -> JSONResponse:
-        return self._error("other", ApiError(405, f"{request.method} is not allowed on {request.url.path}",
-                                             code="method_not_allowed"))
+        return self._error(self._endpoint_of(request),
+                           ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                                    code="method_not_allowed"))
 
     def _authorize(self, request: Request) -> None:
+        """With --api-key, the key as 'Authorization: Bearer KEY' (OpenAI's clients) or as
+        'x-api-key: KEY' (Anthropic's)."""
         key = self.config.api_key
         if not key:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        sent = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+        if not hmac.compare_digest(sent.encode(), key.encode()):
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                            type="authentication_error", code="invalid_api_key")
 
     async def _json_body(self, request: Request):
         limit = self.config.max_body_bytes
         length = request.headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                raise bad("bad Content-Length header", None, "invalid_request")
-            if int(length) > limit:
-                raise ApiError(413, f"the request body is {int(length):,} bytes; the limit is {limit:,}",
-                               code="request_too_large")
+        if length is not None and not length.isdigit():
+            raise bad("bad Content-Length header", None, "invalid_request")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, f"the request body exceeds the limit of {limit:,} bytes",
-                               code="request_too_large")
+                await self._drain(request, size)
+                told = f"{int(length):,} bytes" if length is not None else f"over {limit:,} bytes"
+                raise ApiError(413, f"the request body is {told}; this server accepts at most {limit:,} bytes "
+                               f"({limit / (1 << 20):g} MiB)", code="request_too_large",
+                               headers={"Connection": "close"})
             chunks.append(chunk)
         raw = b"".join(chunks)
         if not raw.strip():
@@ -183,6 +198,15 @@ class OpenAIServer:
         if not isinstance(body, dict):
             raise bad(f"the request body must be a JSON object, not {type(body).__name__}", None, "invalid_type")
         return body
+
+    async def _drain(self, request: Request, size: int) -> None:
+        """Read and drop the rest of an oversized body (up to DRAIN_MAX_BYTES), so that the 413
+        reaches the client: closing the socket with its data unread resets the connection, and
+        the client sees "connection reset by peer" instead of the error."""
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > DRAIN_MAX_BYTES:
+                return
 
     # -- simple routes -------------------------------------------------------------------------
     async def health(self, request: Request) -> JSONResponse:
@@ -229,50 +253,76 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completions")
 
+    async def messages(self, request: Request) -> Response:
+        return await self._generate(request, "messages")
+
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            body = await self._json_body(request)
+            req = parse_messages(body, self.served_ids, counting=True)
+            prompt_ids = await run_in_threadpool(self._encode, "messages", req)
+        except ClientDisconnect:
+            self.metrics.request("count_tokens", 499)
+            return Response(status_code=499)
+        except ApiError as err:
+            return self._error("count_tokens", err)
+        self.metrics.request("count_tokens", 200)
+        return JSONResponse({"input_tokens": len(prompt_ids)})
+
     def _encode(self, kind: str, req) -> list[int]:
         e = self.engine
-        if kind == "chat":
+        if kind in ("chat", "messages"):
             if not e.has_chat_template:
                 raise bad(f"{self.model_id} has no chat template: use /v1/completions", "messages",
                           "unsupported_model")
             try:
-                return e.encode_chat(req.messages)
-            except OmlxError as exc:
+                ids = e.encode_chat(req.messages)
+            except Exception as exc:  # OmlxError, or a template raising on an unusual conversation (jinja)
                 raise bad(f"the messages cannot be rendered with the model's chat template: {exc}",
                           "messages") from None
-            except Exception as exc:  # a template raising on an unusual conversation (jinja)
-                raise bad(f"the messages cannot be rendered with the model's chat template: {exc}",
-                          "messages") from None
+            if getattr(req, "prefill", ""):  # the answer continues the last assistant turn's text
+                ids = ids + e.tokenizer.encode(req.prefill, add_bos=False, parse_special=False)
+            return ids
         if isinstance(req.prompt, list):
             return list(req.prompt)
         return e.encode_prompt(req.prompt)
+
+    def _parse(self, kind: str, body: dict):
+        if kind == "chat":
+            return parse_chat(body, self.served_ids)
+        if kind == "messages":
+            return parse_messages(body, self.served_ids)
+        return parse_completion(body, self.served_ids, self.engine.model.vocab_size)
+
+    def _room(self, kind: str, prompt_ids: list[int], req) -> int:
+        """The request's max_tokens, checked against the context and the KV budget."""
+        param = "prompt" if kind == "completions" else "messages"
+        if not prompt_ids:
+            raise bad("the prompt has no tokens", param)
+        ctx = min(self.limits.ctx, self.engine.model.context_length)
+        if len(prompt_ids) >= ctx:
+            raise bad(f"the prompt is {len(prompt_ids):,} tokens; this server's context holds {ctx:,} "
+                      "(prompt and completion together)", param, "context_length_exceeded")
+        room = ctx - len(prompt_ids)
+        max_tokens = room if req.max_tokens is None else req.max_tokens
+        if max_tokens > room:
+            raise bad(f"max_tokens is {max_tokens:,} but the prompt ({len(prompt_ids):,} tokens) leaves "
+                      f"room for {room:,} in this server's context of {ctx:,}", "max_tokens",
+                      "context_length_exceeded")
+        if not self.scheduler.fits_budget(len(prompt_ids), max_tokens):
+            raise bad(f"the prompt and max_tokens ({len(prompt_ids) + max_tokens:,} tokens) exceed the "
+                      f"server's KV budget of {self.scheduler.kv_tokens:,} tokens", "max_tokens",
+                      "context_length_exceeded")
+        return max_tokens
 
     async def _generate(self, request: Request, kind: str) -> Response:
         try:
             self._authorize(request)
             body = await self._json_body(request)
-            if kind == "chat":
-                req = parse_chat(body, self.served_ids)
-            else:
-                req = parse_completion(body, self.served_ids, self.engine.model.vocab_size)
+            req = self._parse(kind, body)
             prompt_ids = await run_in_threadpool(self._encode, kind, req)
-            if not prompt_ids:
-                raise bad("the prompt has no tokens", "messages" if kind == "chat" else "prompt")
-            ctx = min(self.limits.ctx, self.engine.model.context_length)
-            if len(prompt_ids) >= ctx:
-                raise bad(f"the prompt is {len(prompt_ids):,} tokens; this server's context holds {ctx:,} "
-                          "(prompt and completion together)", "messages" if kind == "chat" else "prompt",
-                          "context_length_exceeded")
-            room = ctx - len(prompt_ids)
-            max_tokens = room if req.max_tokens is None else req.max_tokens
-            if max_tokens > room:
-                raise bad(f"max_tokens is {max_tokens:,} but the prompt ({len(prompt_ids):,} tokens) leaves "
-                          f"room for {room:,} in this server's context of {ctx:,}", "max_tokens",
-                          "context_length_exceeded")
-            if not self.scheduler.fits_budget(len(prompt_ids), max_tokens):
-                raise bad(f"the prompt and max_tokens ({len(prompt_ids) + max_tokens:,} tokens) exceed the "
-                          f"server's KV budget of {self.scheduler.kv_tokens:,} tokens", "max_tokens",
-                          "context_length_exceeded")
+            max_tokens = self._room(kind, prompt_ids, req)
         except ClientDisconnect:
             self.metrics.request(kind, 499)
             return Response(status_code=499)
@@ -285,21 +335,21 @@ class OpenAIServer:
         def sink(event) -> None:  # the engine thread
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        if kind == "messages":
+            job_id = new_message_id()
+            view = MessagesView(job_id, self.model_id, len(prompt_ids))
+        else:
+            job_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+            view = OpenAIView(kind, job_id, self.model_id, req.include_usage)
         job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=req.sampling, sink=sink,
-                  stop=req.stop, id=prefix + uuid.uuid4().hex[:24])
+                  stop=req.stop, id=job_id)
         try:
             self.scheduler.submit(job)
         except OmlxError as exc:
             return self._error(kind, ApiError(503, exc.user_message, type="server_error", code="unavailable"))
         if req.stream:
-            return await self._stream(request, kind, job, events, req.include_usage)
-        return await self._complete(request, kind, job, events)
-
-    def _usage(self, fin: Finished) -> dict:
-        return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-                "total_tokens": fin.prompt_tokens + fin.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+            return await self._stream(request, kind, job, events, view)
+        return await self._complete(request, kind, job, events, view)
 
     def _failure(self, exc: BaseException) -> ApiError:
         if isinstance(exc, QueueTimeout):
@@ -322,7 +372,7 @@ class OpenAIServer:
                     self.scheduler.cancel(job)
                     return None
 
-    async def _complete(self, request: Request, kind: str, job: Job, events: asyncio.Queue) -> Response:
+    async def _complete(self, request: Request, kind: str, job: Job, events: asyncio.Queue, view) -> Response:
         pieces: list[str] = []
         try:
             while True:
@@ -340,23 +390,10 @@ class OpenAIServer:
         except asyncio.CancelledError:
             self.scheduler.cancel(job)
             raise
-        text = "".join(pieces)
-        reason = "length" if event.finish_reason == "length" else "stop"
-        created = int(time.time())
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-            body = {"id": job.id, "object": "chat.completion", "created": created, "model": self.model_id,
-                    "choices": [choice], "usage": self._usage(event), "system_fingerprint": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            body = {"id": job.id, "object": "text_completion", "created": created, "model": self.model_id,
-                    "choices": [choice], "usage": self._usage(event)}
         self.metrics.request(kind, 200)
-        return JSONResponse(body)
+        return JSONResponse(view.whole("".join(pieces), event))
 
-    async def _stream(self, request: Request, kind: str, job: Job, events: asyncio.Queue,
-                      include_usage: bool) -> Response:
+    async def _stream(self, request: Request, kind: str, job: Job, events: asyncio.Queue, view) -> Response:
         # The first event decides the status: a request that times out in the queue is a 429,
         # not a stream that starts and then fails.
         first = await self._next_event(request, job, events)
@@ -365,51 +402,25 @@ class OpenAIServer:
             return Response(status_code=499)
         if isinstance(first, Failed):
             return self._error(kind, self._failure(first.error))
-        created = int(time.time())
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-        def chunk(delta: str | None, reason: str | None, role: bool = False) -> str:
-            if kind == "chat":
-                d = {}
-                if role:
-                    d["role"] = "assistant"
-                if delta is not None:
-                    d["content"] = delta
-                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
-            body = {"id": job.id, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
-            if include_usage:
-                body["usage"] = None
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         def render(event) -> tuple[str, bool]:
             """SSE text for one event, and whether it ends the stream."""
             if isinstance(event, Token):
-                return (chunk(event.text, None) if event.text else ""), False
+                return view.stream_text(event.text), False
             if isinstance(event, Finished):
-                out = [chunk(event.text, None)] if event.text else []
-                out.append(chunk(None if kind == "chat" else "", "length" if event.finish_reason == "length"
-                                 else "stop"))
-                if include_usage:
-                    body = {"id": job.id, "object": obj, "created": created, "model": self.model_id,
-                            "choices": [], "usage": self._usage(event)}
-                    out.append(f"data: {json.dumps(body)}\n\n")
-                out.append("data: [DONE]\n\n")
                 self.metrics.request(kind, 200)
-                return "".join(out), True
+                return view.stream_end(event), True
             if isinstance(event, Failed):
                 err = self._failure(event.error)
                 self.metrics.request(kind, err.status)
-                return f"data: {json.dumps(err.body())}\n\n", True
+                return view.stream_error(err), True
             return "", False  # Started
 
         async def events_out():
             event = first
             finished = False
             try:
-                if kind == "chat":
-                    yield chunk("", None, role=True)
+                yield view.stream_start(first.cached_tokens if isinstance(first, Started) else 0)
                 while True:
                     # every event already queued goes out in one write: fewer wake-ups of the
                     # loop thread, which shares the interpreter with the engine thread

@@ -11,6 +11,8 @@ cannot honour are refused rather than silently dropped):
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
 
 from ..sampling import SamplingParams
@@ -214,3 +216,75 @@ def parse_completion(body, served_ids: tuple[str, ...], vocab_size: int) -> Comp
     if body.get("suffix") not in (None, ""):
         raise bad("'suffix' is not supported", "suffix", "unsupported_value")
     return CompletionRequest(**common.__dict__, prompt=prompt)
+
+
+# -- answers -----------------------------------------------------------------------------------
+def openai_usage(fin) -> dict:
+    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
+            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class OpenAIView:
+    """One request's answer in OpenAI's shapes: `chat` (chat.completion and its chunks) or
+    `completions` (text_completion). The app calls whole() for a complete answer, or
+    stream_start(), stream_text() per piece, then stream_end() or stream_error()."""
+
+    def __init__(self, kind: str, job_id: str, model: str, include_usage: bool):
+        self.kind, self.id, self.model, self.include_usage = kind, job_id, model, include_usage
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    @staticmethod
+    def error_body(err: ApiError) -> dict:
+        return err.body()
+
+    @staticmethod
+    def _reason(fin) -> str:
+        return "length" if fin.finish_reason == "length" else "stop"
+
+    def whole(self, text: str, fin) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": self._reason(fin)}
+            return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                    "choices": [choice], "usage": openai_usage(fin), "system_fingerprint": None}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self._reason(fin)}
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [choice], "usage": openai_usage(fin)}
+
+    def _chunk(self, delta: str | None, reason: str | None, role: bool = False) -> str:
+        if self.kind == "chat":
+            d = {"role": "assistant"} if role else {}
+            if delta is not None:
+                d["content"] = delta
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    def stream_start(self, cached_tokens: int) -> str:
+        return self._chunk("", None, role=True) if self.kind == "chat" else ""
+
+    def stream_text(self, text: str) -> str:
+        return self._chunk(text, None) if text else ""
+
+    def stream_end(self, fin) -> str:
+        out = [self.stream_text(fin.text),
+               self._chunk(None if self.kind == "chat" else "", self._reason(fin))]
+        if self.include_usage:
+            out.append(_sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                             "choices": [], "usage": openai_usage(fin)}))
+        out.append("data: [DONE]\n\n")
+        return "".join(out)
+
+    def stream_error(self, err: ApiError) -> str:
+        return _sse(err.body())

@@ -122,6 +122,7 @@ class Finished:
     cached_tokens: int
     text: str  # any text held back until the end (the stream decoder's and stop matcher's rest)
     ttft_s: float | None
+    stop_string: str | None = None  # the stop string that ended the answer
 
 
 @dataclass
@@ -514,7 +515,7 @@ class Scheduler:
         ttft = None if seq.t_first is None else seq.t_first - seq.job.submitted
         self.metrics.finished(reason)
         self._send(seq.job, Finished("stop" if reason == "stop_string" else reason, len(seq.job.prompt_ids),
-                                     len(seq.generated), seq.cached_tokens, tail, ttft))
+                                     len(seq.generated), seq.cached_tokens, tail, ttft, seq.matcher.matched))
 
     def _fail(self, seq: _Sequence, exc: BaseException) -> None:
         self._release(seq)
