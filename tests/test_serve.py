@@ -201,18 +201,26 @@ def batched_steps(thread: ServerThread) -> float:
 
 
 # -- bad requests ----------------------------------------------------------------------------
+_DROP = object()  # body_with(field=_DROP) leaves the field out
+
+
+def body_with(ok: dict, **fields) -> bytes:
+    """`ok` with some fields replaced or (given _DROP) removed, as JSON."""
+    body = dict(ok)
+    for k, v in fields.items():
+        if v is _DROP:
+            body.pop(k)
+        else:
+            body[k] = v
+    return json.dumps(body).encode()
+
+
 def _bad_requests():
     ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     long_text = "word " * 2000
 
     def chat_with(**fields):
-        body = dict(ok)
-        for k, v in fields.items():
-            if v is _DROP:
-                body.pop(k)
-            else:
-                body[k] = v
-        return ("POST", "/v1/chat/completions", json.dumps(body).encode())
+        return ("POST", "/v1/chat/completions", body_with(ok, **fields))
 
     return {
         "not JSON": ("POST", "/v1/chat/completions", b"{not json"),
@@ -252,9 +260,6 @@ def _bad_requests():
         "unknown route": ("GET", "/v1/nothing", None),
         "wrong method": ("GET", "/v1/chat/completions", None),
     }
-
-
-_DROP = object()
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny):

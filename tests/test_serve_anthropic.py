@@ -11,7 +11,7 @@ import httpx2 as httpx
 import pytest
 
 from engine.serve.anthropic import convert_messages
-from .test_serve import TINY_CTX, client, start, tiny, tiny_path, wait_idle  # noqa: F401 (fixtures)
+from .test_serve import _DROP, TINY_CTX, body_with, client, start, tiny, tiny_path, wait_idle  # noqa: F401 (fixtures)
 
 
 def claude(thread, key: str = "unused") -> anthropic.Anthropic:
@@ -122,20 +122,11 @@ def test_tool_use_and_tool_result_blocks_are_rendered_into_the_prompt(tiny):
     assert r.usage.output_tokens == 4
 
 
-_DROP = object()
-
-
 def _bad_messages():
     ok = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
     def with_(**fields):
-        body = dict(ok)
-        for k, v in fields.items():
-            if v is _DROP:
-                body.pop(k)
-            else:
-                body[k] = v
-        return "/v1/messages", json.dumps(body).encode()
+        return "/v1/messages", body_with(ok, **fields)
 
     def turn(content, role="user"):
         return with_(messages=[{"role": role, "content": content}])

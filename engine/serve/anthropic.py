@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..sampling import SamplingParams
-from .protocol import ApiError, ChatRequest, _is_int, _number, bad
+from .protocol import ApiError, ChatRequest, _is_int, _number, bad, message_list, served_model, stream_flag
 from .scheduler import Finished
 
 MAX_STOP_SEQUENCES = 16  # well above what clients send; each is matched on every token
@@ -96,16 +96,8 @@ def convert_messages(messages, system) -> list[dict]:
             raise bad("'system' must be a string or a list of text blocks", "system", "invalid_type")
         if text:
             out.append({"role": "system", "content": text})
-    if messages is None:
-        raise bad("'messages' is required", "messages", "missing_required_parameter")
-    if not isinstance(messages, list):
-        raise bad("'messages' must be a list", "messages", "invalid_type")
-    if not messages:
-        raise bad("'messages' must not be empty", "messages")
-    for i, m in enumerate(messages):
+    for i, m in enumerate(message_list(messages)):
         where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{where} must be an object", where, "invalid_type")
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise bad(f"{where}.role must be 'user' or 'assistant', not {role!r} (the system prompt goes in "
@@ -148,14 +140,7 @@ def convert_messages(messages, system) -> list[dict]:
 
 def parse_messages(body: dict, served_ids: tuple[str, ...], *, counting: bool = False) -> MessagesRequest:
     """The request of `/v1/messages` (or of count_tokens when `counting`: no max_tokens)."""
-    model = body.get("model")
-    if model is None:
-        raise bad("'model' is required", "model", "missing_required_parameter")
-    if not isinstance(model, str):
-        raise bad(f"'model' must be a string, not {type(model).__name__}", "model", "invalid_type")
-    if model not in served_ids:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_ids[0]}'",
-                       param="model", code="model_not_found")
+    model = served_model(body, served_ids)
     max_tokens = body.get("max_tokens")
     if not counting:
         if max_tokens is None:
@@ -187,11 +172,7 @@ def parse_messages(body: dict, served_ids: tuple[str, ...], *, counting: bool = 
         raise bad(f"at most {MAX_STOP_SEQUENCES} stop sequences, not {len(stops)}", "stop_sequences")
     if any(not s.strip() for s in stops):
         raise bad("stop sequences must contain non-whitespace", "stop_sequences")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise bad(f"'stream' must be a boolean, not {type(stream).__name__}", "stream", "invalid_type")
+    stream = stream_flag(body)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     return MessagesRequest(model=model, max_tokens=max_tokens, sampling=sampling, stop=tuple(stops),
                            stream=stream, include_usage=True, messages=messages, prefill=prefill)

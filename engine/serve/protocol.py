@@ -79,9 +79,8 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float) -> floa
     return float(v)
 
 
-def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object", None, "invalid_type")
+def served_model(body: dict, served_ids: tuple[str, ...]) -> str:
+    """The request's `model`, one of the names this server answers to (404 otherwise)."""
     model = body.get("model")
     if model is None:
         raise bad("'model' is required", "model", "missing_required_parameter")
@@ -90,6 +89,22 @@ def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
     if model not in served_ids:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_ids[0]}'",
                        param="model", code="model_not_found")
+    return model
+
+
+def stream_flag(body: dict) -> bool:
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise bad(f"'stream' must be a boolean, not {type(stream).__name__}", "stream", "invalid_type")
+    return stream
+
+
+def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_type")
+    model = served_model(body, served_ids)
     max_tokens = None
     for name in ("max_completion_tokens", "max_tokens"):
         v = body.get(name)
@@ -131,11 +146,7 @@ def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
         raise bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
     if any(s == "" for s in stops):
         raise bad("stop strings must not be empty", "stop")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise bad(f"'stream' must be a boolean, not {type(stream).__name__}", "stream", "invalid_type")
+    stream = stream_flag(body)
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
@@ -169,19 +180,25 @@ def _message_text(content, i: int) -> str:
               "invalid_type")
 
 
-def parse_chat(body, served_ids: tuple[str, ...]) -> ChatRequest:
-    common = _common(body, served_ids)
-    messages = body.get("messages")
+def message_list(messages) -> list[dict]:
+    """The request's `messages`: a non-empty list of objects."""
     if messages is None:
         raise bad("'messages' is required", "messages", "missing_required_parameter")
     if not isinstance(messages, list):
         raise bad("'messages' must be a list", "messages", "invalid_type")
     if not messages:
         raise bad("'messages' must not be empty", "messages")
-    out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
+    return messages
+
+
+def parse_chat(body, served_ids: tuple[str, ...]) -> ChatRequest:
+    common = _common(body, served_ids)
+    messages = message_list(body.get("messages"))
+    out = []
+    for i, m in enumerate(messages):
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}",
