@@ -257,16 +257,9 @@ class OpenAIServer:
         return await self._generate(request, "messages")
 
     async def count_tokens(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            body = await self._json_body(request)
-            req = parse_messages(body, self.served_ids, counting=True)
-            prompt_ids = await run_in_threadpool(self._encode, "messages", req)
-        except ClientDisconnect:
-            self.metrics.request("count_tokens", 499)
-            return Response(status_code=499)
-        except ApiError as err:
-            return self._error("count_tokens", err)
+        self._authorize(request)  # errors: answered by _guarded
+        req = parse_messages(await self._json_body(request), self.served_ids, counting=True)
+        prompt_ids = await run_in_threadpool(self._encode, "messages", req)
         self.metrics.request("count_tokens", 200)
         return JSONResponse({"input_tokens": len(prompt_ids)})
 
