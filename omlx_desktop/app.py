@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     args, qt_args = build_parser().parse_known_args(argv[1:])
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for handler in logging.getLogger().handlers:    # the log file takes INFO (applog), stderr not
+        handler.setLevel(logging.INFO if args.verbose else logging.WARNING)
 
     from PySide6.QtWidgets import QApplication
 

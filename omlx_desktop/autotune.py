@@ -65,4 +65,6 @@ class AutoTuneController(QObject):
         if self.w.closed:
             return
         self.w.kv_panel.tune_failed(failure.kind, failure.message)
+        if failure.logged:      # a bug, not a cancel or a model the tuner refuses: the banner too
+            self.w.show_error(f"The KV sensitivity measurement failed: {failure.message}", "model", failure)
         self.profileFailed.emit(failure)

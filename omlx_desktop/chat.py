@@ -273,7 +273,7 @@ class ChatController(QObject):
             pass
         w.conversations.show_messages(turn.conv)
         failure = result.failure
-        w.show_error(f"The answer failed: {failure.message}", "turn")
+        w.show_error(f"The answer failed: {failure.message}", "turn", failure)
         w.update_buttons()
         self.answerFinished.emit({"conv": turn.conv, "message_id": turn.message_id, "text": turn.text,
                                   "state": "failed", "kind": failure.kind, "error": failure.message,

@@ -254,7 +254,7 @@ class DocumentsController(QObject):
                                        result.needs_ctx, result.can_retrieve)
             else:
                 w.documents.remove_row(result.key)
-        w.show_error(result.failure.message, "document")
+        w.show_error(result.failure.message, "document", result.failure)
 
     def on_pinned(self, result: DocumentPinned) -> None:
         if not self.w.closed and result.conv == self._conv():

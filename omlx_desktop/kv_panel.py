@@ -184,6 +184,7 @@ class KVPanel(QWidget):
     settingsChanged = Signal(object)   # {"spec", "ctx", "overflow"}
     tuneRequested = Signal()           # Auto needs the loaded model's sensitivity profile
     tuneCancelled = Signal()           # the user cancelled the running measurement
+    importFailed = Signal(str)         # a KV settings file that cannot be used: why (also shown here)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -547,6 +548,7 @@ class KVPanel(QWidget):
                 raise KVConfigError(f"{path}: {exc}{hint}") from None
         except KVConfigError as exc:
             self._show_import(str(exc), error=True)
+            self.importFailed.emit(str(exc))
             return str(exc)
         self._hp = False
         self._before_hp = None

@@ -257,7 +257,7 @@ class ModelController(QObject):
             w.statusBar().showMessage("Download cancelled", 5000)
         else:
             w.welcome_status.setText(f"Download failed: {failure.message}")
-            w.show_error(f"Cannot fetch the model: {failure.message}", "model")
+            w.show_error(f"Cannot fetch the model: {failure.message}", "model", failure)
         self.failed.emit(failure.message)
 
     # -- loading --------------------------------------------------------------------------
@@ -368,7 +368,7 @@ class ModelController(QObject):
             self._remote_fallback(endpoint, failure)
             return
         self._load_ended()
-        w.show_error(f"Cannot load {name}: {failure.message}", "model")
+        w.show_error(f"Cannot load {name}: {failure.message}", "model", failure)
         if self.model_info is None:
             w.welcome_status.setText(f"Cannot load {name}: {failure.message}")
         w.update_buttons()
@@ -382,7 +382,7 @@ class ModelController(QObject):
         model = f" (model {endpoint['model']})" if endpoint.get("model") else ""
         w.show_error(f"Cannot connect to the saved server {endpoint['url']}{model}: {failure.message} "
                      "Using the local model instead. The server stays saved: File → Connect to a "
-                     "server… (filled in) tries it again.", "remote")
+                     "server… (filled in) tries it again.", "remote", failure)
         self._start_local(self._fetch_if_missing, keep_source=True)
         if self.loading is None and self.fetch_cancel is None:     # no local model either
             w.load_progress.hide()

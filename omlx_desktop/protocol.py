@@ -156,14 +156,16 @@ class Shutdown:
 class Failure:
     """Why a request failed: ``kind`` as :func:`engine.errors.describe` names it
     ("context_full", "out_of_memory", "bad_document", ..., "cancelled", "internal") and the
-    message for the user."""
+    message for the user. ``logged``: not one of the engine's errors (a bug, out of memory): its
+    traceback is in the app's log, which the window's banner names."""
 
     kind: str
     message: str
+    logged: bool = False
 
     @classmethod
-    def of(cls, exc: BaseException) -> "Failure":
-        return cls(*describe(exc))
+    def of(cls, exc: BaseException, *, logged: bool = False) -> "Failure":
+        return cls(*describe(exc), logged=logged)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ from pathlib import Path
 
 from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QIcon
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar, QToolButton, QWidget
+from PySide6.QtWidgets import (
+    QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar, QToolButton, QVBoxLayout, QWidget,
+)
 
 
 def resource_path(name: str) -> Path:
@@ -69,7 +71,8 @@ class ErrorBanner(QFrame):
 
     Each message has a topic ("model", "turn", "document", "conversation"): a later success
     of the same topic clears it (:meth:`clear`), so a problem the user has solved does not stay
-    on screen."""
+    on screen. A message may have details (where the traceback of an unexpected error is), shown
+    under it by the Details button."""
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -80,20 +83,38 @@ class ErrorBanner(QFrame):
         self.label = QLabel()
         self.label.setWordWrap(True)
         self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.details_label = QLabel()
+        self.details_label.setWordWrap(True)
+        self.details_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.details_label.hide()
+        self.details_button = QToolButton()
+        self.details_button.setText("Details")
+        self.details_button.setAutoRaise(True)
+        self.details_button.setCheckable(True)
+        self.details_button.toggled.connect(self.details_label.setVisible)
+        self.details_button.hide()
         self.close_button = QToolButton()
         self.close_button.setText("✕")
         self.close_button.setAutoRaise(True)
         self.close_button.setToolTip("Dismiss")
+        text = QVBoxLayout()
+        text.setContentsMargins(0, 0, 0, 0)
+        text.addWidget(self.label)
+        text.addWidget(self.details_label)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(8, 4, 4, 4)
-        layout.addWidget(self.label, 1)
+        layout.addLayout(text, 1)
+        layout.addWidget(self.details_button, 0, Qt.AlignmentFlag.AlignTop)
         layout.addWidget(self.close_button, 0, Qt.AlignmentFlag.AlignTop)
         self.close_button.clicked.connect(lambda: self.clear())
         self.hide()
 
-    def show_message(self, text: str, topic: str = "") -> None:
+    def show_message(self, text: str, topic: str = "", details: str = "") -> None:
         self.topic = topic
         self.label.setText(text)
+        self.details_label.setText(details)
+        self.details_button.setChecked(False)
+        self.details_button.setVisible(bool(details))
         self.show()
 
     def clear(self, topic: str | None = None) -> None:
@@ -104,6 +125,9 @@ class ErrorBanner(QFrame):
 
     def text(self) -> str:
         return self.label.text()
+
+    def details(self) -> str:
+        return self.details_label.text()
 
 
 class StageProgressBar(QProgressBar):

@@ -30,13 +30,14 @@ from PySide6.QtCore import QByteArray, Qt, QThread, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMenu
 
+from . import applog
 from .autotune import AutoTuneController
 from .chat import ChatController, Turn, stats_text
 from .conversations import ConversationsController
 from .documents import DocumentsController
 from .hub_dialog import HubDialog
 from .model_controller import ModelController, model_text
-from .protocol import Configure, Shutdown
+from .protocol import Configure, Failure, Shutdown
 from .remote_dialog import RemoteDialog
 from .serve_panel import install as install_serve_panel
 from .smoke import SmokeTestDriver
@@ -69,6 +70,7 @@ class MainWindow(QMainWindow):
         if store is None:
             store = Store(Path(data_dir) / "omlx.db" if data_dir is not None else None)
         self.store = store
+        self.log_path, self._log_handler = applog.open_log(store.path.parent)
         self.recovered = store.recover_interrupted()
         self.errors: list[str] = []
         self.closed = False
@@ -103,6 +105,8 @@ class MainWindow(QMainWindow):
             log.exception("ignoring the saved KV settings %r", panel_state)
         self.request(Configure.from_panel(self.kv_panel.settings()))
         self.kv_panel.settingsChanged.connect(self.models.on_kv_settings_changed)
+        self.kv_panel.importFailed.connect(
+            lambda message: self.show_error(f"Cannot use these KV settings: {message}", "settings"))
 
         self.conversations.reload(select=None)
         self.update_buttons()
@@ -293,14 +297,20 @@ class MainWindow(QMainWindow):
         return plain_text(self.stats_label.text())
 
     # -- errors and status ----------------------------------------------------------------
-    def show_error(self, message: str, topic: str = "") -> None:
+    def show_error(self, message: str, topic: str = "", failure: Failure | None = None) -> None:
         """Shows an error in the banner; ``topic`` ("model", "turn", "document",
-        "conversation") lets a later success of the same kind clear it (:meth:`clear_error`)."""
+        "conversation") lets a later success of the same kind clear it (:meth:`clear_error`).
+        A ``failure`` whose traceback went to the log (not one of the engine's errors) gets the
+        log's path in the banner's details."""
         if self.closed:
             return
         log.info("error shown: %s", message)
         self.errors.append(message)
-        self.banner.show_message(message, topic)
+        details = ""
+        if failure is not None and failure.logged:
+            details = (f"This is not an error the app knows how to explain (a bug): its traceback "
+                       f"is in the app's log, {self.log_path}. Please include it in a bug report.")
+        self.banner.show_message(message, topic, details)
         self.statusBar().showMessage(message.splitlines()[0][:200], 10_000)
         self.errorShown.emit(message)
 
@@ -310,7 +320,7 @@ class MainWindow(QMainWindow):
 
     def _on_worker_error(self, failure) -> None:
         topic = "document" if failure.kind == "bad_document" else "conversation"
-        self.show_error(failure.message, topic)
+        self.show_error(failure.message, topic, failure)
 
     def update_buttons(self) -> None:
         ready = self.models.ready
@@ -403,6 +413,7 @@ class MainWindow(QMainWindow):
                         CLOSE_WAIT_MS)
         if self._owns_store:
             self.store.close()
+        applog.close_log(self._log_handler)
         super().closeEvent(event)
 
     def wait_for_engine(self, timeout_ms: int | None = None) -> bool:

@@ -85,6 +85,17 @@ class _EitherEvent:
         return self.a.is_set() or self.b.is_set()
 
 
+def failure_of(exc: BaseException, what: str) -> Failure:
+    """The Failure a request ends with, logged: one of the engine's errors (``OmlxError``) by its
+    message, anything else (a bug, out of memory) with its traceback, which the window's banner
+    points to (``Failure.logged``)."""
+    if isinstance(exc, OmlxError):
+        log.info("%s: %s", what, exc.user_message)
+        return Failure.of(exc)
+    log.error("%s", what, exc_info=exc)
+    return Failure.of(exc, logged=True)
+
+
 def is_frozen() -> bool:
     return bool(getattr(sys, "frozen", False))
 
@@ -150,7 +161,36 @@ class EngineWorker(QObject):
         handler = self._handlers.get(type(request))
         if handler is None:
             raise TypeError(f"the engine worker has no request {type(request).__name__}")
-        handler(request)
+        try:
+            handler(request)
+        except Exception as exc:  # escaped its handler (a bug): the request still ends, as failed
+            self._fail(request, failure_of(exc, f"{type(request).__name__} failed"))
+
+    def _fail(self, request, failure: Failure) -> None:
+        """Ends ``request`` with ``failure`` on the signal the window waits on for it, so no
+        part of the window stays loading or busy."""
+        if isinstance(request, FetchModel):
+            self.fetchFailed.emit(failure)
+        elif isinstance(request, (LoadModel, ConnectRemote)):
+            self.loadFailed.emit(failure)
+        elif isinstance(request, SendMessage):
+            self.turnFailed.emit(TurnFailed(request.id, failure))
+        elif isinstance(request, (AddDocument, SetPinned)):
+            self.documentFailed.emit(DocumentFailed(request.conv, request.key, failure))
+        elif isinstance(request, MeasureKVProfile):
+            self.kvProfileFailed.emit(failure)
+        elif isinstance(request, ListRemoteModels):
+            self.remoteModels.emit(RemoteModels(request.base_url, (), failure))
+        else:
+            self.error.emit(failure)
+        conv = getattr(request, "conv", None)
+        if conv is not None:    # rows left "reading…" show what the engine holds
+            try:
+                self.documentsChanged.emit(self._documents(conv))
+            except Exception:
+                log.exception("listing the documents after a failure failed")
+        if isinstance(request, OpenConversation):
+            self.conversationOpened.emit(request.conv)
 
     # -- model ----------------------------------------------------------------------------
     def fetch(self, request: FetchModel) -> None:
@@ -163,8 +203,8 @@ class EngineWorker(QObject):
             path = catalog.fetch(request.name, cancel=request.cancel,
                                  progress=lambda s, f: self.fetchProgress.emit(s, float(f)))
         except Exception as exc:
-            log.info("fetch of %s failed: %s", request.name, exc)
-            failure = Failure("cancelled", "cancelled") if request.cancel.is_set() else Failure.of(exc)
+            failure = Failure("cancelled", "cancelled") if request.cancel.is_set() \
+                else failure_of(exc, f"fetching {request.name} failed")
             self.fetchFailed.emit(failure)
             return
         self.fetchFinished.emit(str(path))
@@ -191,16 +231,17 @@ class EngineWorker(QObject):
                     # the window trims them to the model's layers and configures again
                     log.info("KV setting %s does not fit %s (%s); using %s until the next "
                              "setting", self.spec, engine.name, exc, engine.kv_config)
-            if self.ctx is not None:
-                self.ctx = max(64, min(self.ctx, engine.model.context_length))
+            # all of the new model's description before it replaces the loaded one: a failure
+            # here leaves the previous model (and its conversation) answering
+            info = self._model_info(engine)
+            if estimate is not None:
+                info = replace(info, fit_verdict=estimate.verdict, fit_summary=estimate.summary())
         except Exception as exc:
-            log.info("loading %s failed: %s", request.spec, exc)
-            self.loadFailed.emit(Failure.of(exc))
+            self.loadFailed.emit(failure_of(exc, f"loading {request.spec} failed"))
             return
         self._use_source(engine=engine)
-        info = self._model_info()
-        if estimate is not None:
-            info = replace(info, fit_verdict=estimate.verdict, fit_summary=estimate.summary())
+        if self.ctx is not None:
+            self.ctx = max(64, min(self.ctx, engine.model.context_length))
         self.loaded.emit(info)
 
     # -- remote source ----------------------------------------------------------------------
@@ -214,8 +255,8 @@ class EngineWorker(QObject):
             finally:
                 endpoint.close()
         except Exception as exc:
-            log.info("listing the models of %s failed: %s", request.base_url, exc)
-            self.remoteModels.emit(RemoteModels(request.base_url, (), Failure.of(exc)))
+            self.remoteModels.emit(RemoteModels(
+                request.base_url, (), failure_of(exc, f"listing the models of {request.base_url} failed")))
             return
         self.remoteModels.emit(RemoteModels(endpoint.base_url, tuple(ids)))
 
@@ -227,8 +268,7 @@ class EngineWorker(QObject):
         try:
             endpoint = RemoteEndpoint(request.base_url, request.api_key).connect(request.model)
         except Exception as exc:
-            log.info("connecting to %s failed: %s", request.base_url, exc)
-            self.loadFailed.emit(Failure.of(exc))
+            self.loadFailed.emit(failure_of(exc, f"connecting to {request.base_url} failed"))
             return
         self._use_source(remote=endpoint)   # frees the local model's weights and KV pools
         self.loaded.emit(ModelInfo(
@@ -266,8 +306,8 @@ class EngineWorker(QObject):
             log.info("no memory estimate for %s: %s", path, exc)
             return None
 
-    def _model_info(self) -> ModelInfo:
-        e = self.engine
+    def _model_info(self, e) -> ModelInfo:
+        """What the window shows of the local engine ``e``."""
         g = e.model.kv_geometry
         try:
             size = Path(e.path).stat().st_size
@@ -282,7 +322,7 @@ class EngineWorker(QObject):
             has_chat_template=e.has_chat_template,
             geometry={"n_layers": g.n_layers, "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim,
                       "value_dim": g.value_dim, "windows": list(g.windows)},
-            default_ctx=self._max_ctx(),
+            default_ctx=self._max_ctx(e),
         )
 
     # -- settings -------------------------------------------------------------------------
@@ -401,9 +441,8 @@ class EngineWorker(QObject):
             if any(d.pinned for d in session.documents):
                 self._prepare_pinned(conv)
         except Exception as exc:
-            log.exception("opening conversation %s failed", conv)
-            failure = Failure.of(exc)
-            self.error.emit(Failure(failure.kind, f"cannot open the conversation: {failure.message}"))
+            failure = failure_of(exc, f"opening conversation {conv} failed")
+            self.error.emit(replace(failure, message=f"cannot open the conversation: {failure.message}"))
         self._publish_kv()
         self.documentsChanged.emit(self._documents(conv))
         self.conversationOpened.emit(conv)
@@ -419,16 +458,18 @@ class EngineWorker(QObject):
                             sections=len(d.index.chunks) if retrieval and d.index is not None else 0,
                             whole_ctx=self._whole_ctx(d.n_tokens) if retrieval else 0)
 
-    def _max_ctx(self) -> int:
-        """The largest context for the loaded model: its own, capped by what fits in memory at
-        the wanted KV setting (engine.fit)."""
+    def _max_ctx(self, engine=None) -> int:
+        """The largest context for ``engine`` (default: the loaded one): its own, capped by what
+        fits in memory at the wanted KV setting (engine.fit)."""
         from engine import fit
+        from engine.errors import SettingsError
 
+        gguf = (engine or self.engine).gguf
         try:
-            return fit.default_context(self.engine.gguf, self.spec)
-        except Exception as exc:  # a setting for another model's layers: the default's estimate
+            return fit.default_context(gguf, self.spec)
+        except SettingsError as exc:  # a setting for another model's layers: the default's estimate
             log.info("no context estimate at %s: %s", self.spec, exc)
-            return fit.default_context(self.engine.gguf, None)
+            return fit.default_context(gguf, None)
 
     def _whole_ctx(self, n_tokens: int) -> int:
         """A context that holds the pinned whole documents plus one of ``n_tokens`` read whole,
@@ -480,14 +521,11 @@ class EngineWorker(QObject):
                 self.tokens.emit(rid, "".join(pending))
             result = gen.result
         except Exception as exc:
-            if isinstance(exc, OmlxError):
-                log.info("turn %d failed: %s", rid, exc)
-            else:
-                log.exception("turn %d failed", rid)
+            failure = failure_of(exc, f"turn {rid} failed")
             if self.session is not None and self.conv == request.conv and not request.regenerate:
                 self.session.keep_unanswered(request.text)   # as the Store keeps it
             self._publish_kv()
-            self.turnFailed.emit(TurnFailed(rid, Failure.of(exc)))
+            self.turnFailed.emit(TurnFailed(rid, failure))
             return
         set_at = getattr(cancel, "set_at", None)
         stopped_in = time.monotonic() - set_at if set_at is not None else None
@@ -531,7 +569,7 @@ class EngineWorker(QObject):
                                             cancel=self.abort, doc_id=key)
             doc.path = str(path) if path else None
         except Exception as exc:
-            log.info("document %s refused: %s", path, exc)
+            failure = failure_of(exc, f"document {path or request.name} refused")
             needs_ctx, can_retrieve = 0, False
             if isinstance(exc, DocumentError) and text is not None and self.session is not None \
                     and self.engine is not None and not any(d.text == text for d in self.session.documents):
@@ -539,7 +577,7 @@ class EngineWorker(QObject):
                 n_tokens = len(self.engine.tokenizer.encode(text))
                 needs_ctx = self._whole_ctx(n_tokens)
                 can_retrieve = self.session.doc_mode == "whole"
-            self.documentFailed.emit(DocumentFailed(conv, key, Failure.of(exc), needs_ctx, can_retrieve))
+            self.documentFailed.emit(DocumentFailed(conv, key, failure, needs_ctx, can_retrieve))
             return
         self._publish_kv()
         info = self._document_info(doc)
@@ -557,7 +595,7 @@ class EngineWorker(QObject):
 
             self.session.set_pinned(key, request.pinned, progress=progress)
         except Exception as exc:
-            self.documentFailed.emit(DocumentFailed(conv, key, Failure.of(exc)))
+            self.documentFailed.emit(DocumentFailed(conv, key, failure_of(exc, f"pinning {key} failed")))
         else:
             self.documentPinned.emit(DocumentPinned(conv, key, request.pinned))
         self._publish_kv()
@@ -579,8 +617,7 @@ class EngineWorker(QObject):
             self.session.set_doc_mode(request.mode, progress=progress, cancel=self.abort)
             self._prepare_pinned(conv)
         except Exception as exc:
-            log.info("document mode %s refused: %s", request.mode, exc)
-            self.error.emit(Failure.of(exc))
+            self.error.emit(failure_of(exc, f"document mode {request.mode} refused"))
         else:
             for d in self.session.documents:
                 if d.pinned:
@@ -593,7 +630,7 @@ class EngineWorker(QObject):
             self._check_conv(request.conv)
             self.session.remove_document(request.key)
         except Exception as exc:
-            self.error.emit(Failure.of(exc))
+            self.error.emit(failure_of(exc, f"removing {request.key} failed"))
         self._publish_kv()
         self.documentsChanged.emit(self._documents(request.conv))
 
@@ -614,8 +651,7 @@ class EngineWorker(QObject):
                 self.engine, progress=lambda s, f: self.kvProfileProgress.emit(s, float(f)), cancel=cancel,
                 **kwargs)
         except Exception as exc:
-            log.info("KV sensitivity profile failed: %s", exc)
-            self.kvProfileFailed.emit(Failure.of(exc))
+            self.kvProfileFailed.emit(failure_of(exc, "KV sensitivity profile failed"))
             return
         self.kvProfileReady.emit(KVProfileReady(str(self.engine.path), profile, from_store,
                                                 time.perf_counter() - t0))
