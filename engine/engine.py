@@ -23,8 +23,10 @@ from .kv.paged_attention import start_warm_up
 from .memory import PeakRSS, release_free_heap
 from .models import load_model
 from .models.base import BaseModel
-from .sampling import Sampler, SamplingParams, StopStringMatcher
+from .decoding import STOP, TokenStream
+from .sampling import SamplingParams, log_softmax  # noqa: F401  (log_softmax re-exported: its old home)
 from .tokenizer import Tokenizer, TokenizerError
+from .weights import DenseLinear, QuantLinear
 
 log = logging.getLogger("omlx.engine")
 
@@ -82,14 +84,6 @@ class TeacherForced:
     def save(self, path: str | os.PathLike) -> None:
         np.savez(path, tokens=self.tokens, top_ids=self.top_ids, top_logprobs=self.top_logprobs,
                  next_logprob=self.next_logprob)
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """(n, vocab) → (n, vocab) float64 log-probabilities."""
-    x = logits.astype(np.float64)
-    x -= x.max(axis=-1, keepdims=True)
-    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
-    return x
 
 
 class Generation:
@@ -350,7 +344,7 @@ class Engine:
         """Append `ids` to the cache in chunks; returns the last position's logits (vocab,)."""
         ids = np.asarray(ids, dtype=np.int64)
         logits = None
-        step = self._chunk_size(cache)
+        step = self.chunk_size(cache)
         for start in range(0, len(ids), step):
             if cancel is not None and cancel.is_set():
                 return None
@@ -368,13 +362,28 @@ class Engine:
         return logits
 
     @staticmethod
-    def _chunk_size(cache: KVCache) -> int:
+    def chunk_size(cache: KVCache) -> int:
         """Prefill chunk: PREFILL_CHUNK, or less when a context-limited cache has less room
         beside what it may never drop (so the overflow policy can always make room)."""
         if cache.limit is None:
             return PREFILL_CHUNK
         room = cache.limit - cache.protected_tokens_floor()
         return max(1, min(PREFILL_CHUNK, room // 2))
+
+    @staticmethod
+    def exact_batch_rows() -> int:
+        """The most rows (tokens of one or several sequences) a forward pass may take with every
+        row computed as it is computed alone, so greedy output is the same alone or in a batch:
+        quantized matrices take up to QuantLinear.MATVEC_MAX_ROWS rows through the fused kernels,
+        float32 ones one product per row up to DenseLinear.MAX_ROWS_ALONE; more rows go through
+        BLAS, which rounds differently. Read at call time (benchmarks move the bound)."""
+        return min(QuantLinear.MATVEC_MAX_ROWS, DenseLinear.MAX_ROWS_ALONE)
+
+    @staticmethod
+    def rows_computed_alone() -> int:
+        """The most rows some linear layer still computes row by row (the fused kernels or one
+        product per row); past it every layer takes the dequantized tiles + BLAS."""
+        return max(QuantLinear.MATVEC_MAX_ROWS, DenseLinear.MAX_ROWS_ALONE)
 
     def _limit(self, cache: KVCache) -> int:
         """The tokens `cache` may hold: its own limit, never past the model's context."""
@@ -447,36 +456,21 @@ class Engine:
             return
         t_prefilled = time.perf_counter()
         stats.prefill_tok_s = len(prompt_ids) / max(t_prefilled - t_start, 1e-9)
-        sampler = Sampler(sampling)
-        decoder = self.tokenizer.stream_decoder(skip_special=True)
-        matcher = StopStringMatcher(stop)
-        history = list(prompt_ids)
-        ids: list[int] = []
-        pieces: list[str] = []
-        t_first = None
-        reason = "length"
-        while len(ids) < max_tokens:
+        stream = TokenStream(self.tokenizer, prompt_ids, sampling=sampling, stop=stop, max_tokens=max_tokens)
+        reason = None
+        while not stream.done:
             if cancel is not None and cancel.is_set():
                 reason = "cancelled"
                 break
-            token = sampler.sample(logits, history)
-            if t_first is None:
-                t_first = time.perf_counter()
-                stats.ttft_s = t_first - t_start
+            first = stream.first_token_at is None
+            token, text, finished = stream.push(logits)[:3]
+            if first:
+                stats.ttft_s = stream.first_token_at - t_start
                 background.note_first_token(stats.ttft_s)
-            if token in self.tokenizer.stop_ids:
-                reason = "stop"
+            if finished == STOP:
                 break
-            ids.append(token)
-            history.append(token)
-            text, stopped = matcher.push(decoder.push(token))
-            if text:
-                pieces.append(text)
             yield StreamChunk(token, text)
-            if stopped:
-                reason = "stop_string"
-                break
-            if len(ids) >= max_tokens:
+            if finished is not None:
                 break
             if cache.offset + 1 >= limit and not cache.can_drop:
                 reason = "context_full"
@@ -489,14 +483,12 @@ class Engine:
             except KVPoolFull:  # the memory budget ran out, not the context
                 reason = "kv_pool_full"
                 break
-            if len(ids) % 16 == 0:
+            if stream.n_generated % 16 == 0:
                 peak.sample()
-        if reason != "stop_string":
-            tail = matcher.push(decoder.flush())[0] + matcher.flush()
-            if tail:
-                pieces.append(tail)
-                yield StreamChunk(-1, tail)
-        finish(reason, ids, "".join(pieces), t_first)
+        tail = stream.finish(reason)
+        if tail:
+            yield StreamChunk(-1, tail)
+        finish(stream.finish_reason, stream.generated, stream.text, stream.first_token_at)
 
     def generate(self, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
         """`stream` run to the end."""
@@ -520,7 +512,7 @@ class Engine:
         top_ids = np.empty((n, LOGPROB_TOP_K), np.int32)
         top_lp = np.empty((n, LOGPROB_TOP_K), np.float32)
         next_lp = np.empty(n, np.float32)
-        step = self._chunk_size(cache)
+        step = self.chunk_size(cache)
         for start in range(0, n, step):
             stop = min(start + step, n)
             cache.begin_forward(tokens[start:stop])

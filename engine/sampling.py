@@ -98,6 +98,14 @@ def apply_repetition_penalty(
     return out
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """(n, vocab) → (n, vocab) float64 log-probabilities."""
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return x
+
+
 def _top_p_keep(weights: np.ndarray, top_p: float, total: float) -> int:
     """How many of ``weights`` (sorted descending, out of a distribution summing to ``total``)
     form the nucleus for ``top_p``."""

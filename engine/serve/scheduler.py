@@ -47,8 +47,8 @@ from ..engine import Engine
 from ..errors import ContextFull, EngineError, KVPoolFull, OmlxError
 from ..kv.batch import DecodeBatch, PrefillBatch
 from ..memory import release_free_heap
-from ..sampling import Sampler, SamplingParams, StopStringMatcher
-from ..weights import DenseLinear, QuantLinear
+from ..decoding import STOP, STOP_STRING, LogitsProcessor, TokenLogprob, TokenStream
+from ..sampling import SamplingParams
 from .metrics import Metrics
 
 log = logging.getLogger("omlx.serve")
@@ -58,12 +58,12 @@ IDLE_WAIT_S = 0.05  # how long an idle engine thread sleeps before looking at qu
 # exactly as they compute each alone (quantized matrices: the fused kernels; float32 ones: one
 # product per row), so greedy output is the same alone or in a batch. A larger batch is decoded in
 # several passes of this many rows; BLAS (the path for more rows) would round differently.
-DECODE_GROUP = min(QuantLinear.MATVEC_MAX_ROWS, DenseLinear.MAX_ROWS_ALONE)
+DECODE_GROUP = Engine.exact_batch_rows()
 # Prefill batches. A sequence's chunk joins another's forward pass only when the chunk alone
 # would be multiplied by the same kernels as inside the batch, so that its rows come out
 # bit-identical (greedy output the same as prefilled alone):
-# - more than MATVEC_MAX_ROWS rows (and DenseLinear.MAX_ROWS_ALONE): fewer go through the fused
-#   matvec kernels (or one product per row), which round differently from the dequantized tiles +
+# - more than Engine.rows_computed_alone() rows (QuantLinear.MATVEC_MAX_ROWS and
+#   DenseLinear.MAX_ROWS_ALONE): fewer go through the fused matvec kernels (or one product per row), which round differently from the dequantized tiles +
 #   BLAS that the batch's many rows take (whichever layout the product takes,
 #   `weights.TRANSPOSED_PRODUCT_MAX_ROWS`: both give the same bits);
 # - and enough rows that no linear layer's product is "small" for OpenBLAS (numpy's BLAS), which
@@ -78,8 +78,7 @@ SMALL_GEMM_OUTPUTS = 2048
 def min_batched_chunk(model) -> int:
     """The fewest tokens a sequence's prefill chunk needs to join a batch (see above)."""
     narrowest = model.n_kv_heads * min(model.head_dim, model.value_dim)
-    alone = max(QuantLinear.MATVEC_MAX_ROWS, DenseLinear.MAX_ROWS_ALONE)  # rows computed row by row
-    return max(alone + 1, -(-SMALL_GEMM_OUTPUTS // narrowest))
+    return max(Engine.rows_computed_alone() + 1, -(-SMALL_GEMM_OUTPUTS // narrowest))
 
 
 def prefill_together(model, caches: list, chunks: list) -> tuple[np.ndarray, np.ndarray]:
@@ -112,6 +111,7 @@ class Started:
 class Token:
     token_id: int
     text: str  # text this token completes (may be empty: an unfinished UTF-8 character, a held stop)
+    logprob: TokenLogprob | None = None  # with Job.logprobs
 
 
 @dataclass
@@ -141,6 +141,8 @@ class Job:
     sink: Callable[[object], None]
     stop: tuple[str, ...] = ()
     id: str = ""
+    processors: tuple[LogitsProcessor, ...] = ()  # per-sequence logits processors (decoding.TokenStream)
+    logprobs: int | None = None  # top log-probabilities each Token carries (None: none)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
 
@@ -182,13 +184,10 @@ class _Sequence:
         self.cached_tokens = reuse_tokens
         self.pending = list(job.prompt_ids[reuse_tokens:])  # prompt tokens still to prefill
         self.reserved_blocks = reserved_blocks
-        self.sampler = Sampler(job.sampling)
-        self.decoder = engine.tokenizer.stream_decoder(skip_special=True)
-        self.matcher = StopStringMatcher(job.stop)
-        self.history = list(job.prompt_ids)
-        self.generated: list[int] = []
+        self.stream = TokenStream(engine.tokenizer, job.prompt_ids, sampling=job.sampling, stop=job.stop,
+                                  max_tokens=job.max_tokens, processors=job.processors,
+                                  logprobs=job.logprobs, clock=time.monotonic)  # job.submitted's clock
         self.next_token: int | None = None  # the token the next decode step feeds
-        self.t_first: float | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -381,7 +380,7 @@ class Scheduler:
     def _chunk_of(self, seq: _Sequence) -> int:
         """Tokens of `seq`'s next prefill chunk: the same however many sequences prefill, so that
         a prompt is cut at the same places (and computed the same way) alone or in a batch."""
-        return min(self.limits.prefill_chunk, self.engine._chunk_size(seq.cache), len(seq.pending))
+        return min(self.limits.prefill_chunk, self.engine.chunk_size(seq.cache), len(seq.pending))
 
     def _prefill_group(self) -> list[tuple[_Sequence, int]]:
         """The sequences of the next prefill step with their chunk sizes: the oldest prefilling
@@ -476,31 +475,30 @@ class Scheduler:
         return True
 
     def _advance(self, seq: _Sequence, logits: np.ndarray) -> None:
-        """Sample the sequence's next token from `logits` and stream it, or finish."""
+        """Push `logits` through the sequence's token stream and send the token, or finish."""
         seq.next_token = None
         if seq.job.cancelled.is_set():
             self._finish(seq, "cancelled")
             return
-        token = seq.sampler.sample(logits, seq.history)
-        if seq.t_first is None:
-            seq.t_first = time.monotonic()
-            self.metrics.ttft.observe(seq.t_first - seq.job.submitted)
-        if token in self.engine.tokenizer.stop_ids:
-            self._finish(seq, "stop")
+        stream = seq.stream
+        if stream.done:  # max_tokens 0: nothing to sample
+            self._finish(seq, stream.finish_reason)
             return
-        seq.generated.append(token)
-        seq.history.append(token)
+        first = stream.first_token_at is None
+        step = stream.push(logits)
+        if first:
+            self.metrics.ttft.observe(stream.first_token_at - seq.job.submitted)
+        if step.finish_reason == STOP:
+            self._finish(seq, STOP)
+            return
         self.metrics.generated_tokens.inc()
-        text, stopped = seq.matcher.push(seq.decoder.push(token))
-        self._send(seq.job, Token(token, text))
-        if stopped:
-            self._finish(seq, "stop_string")
-        elif len(seq.generated) >= seq.job.max_tokens:
-            self._finish(seq, "length")
+        self._send(seq.job, Token(step.token, step.text, step.logprob))
+        if step.finish_reason is not None:
+            self._finish(seq, step.finish_reason)
         elif seq.cache.offset + 1 >= min(self.limits.ctx, self.engine.model.context_length):
             self._finish(seq, "length")
         else:
-            seq.next_token = token
+            seq.next_token = step.token
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self._running:
@@ -508,14 +506,13 @@ class Scheduler:
         seq.cache.release()
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
-        tail = ""
-        if reason != "stop_string":
-            tail = seq.matcher.push(seq.decoder.flush())[0] + seq.matcher.flush()
+        tail = seq.stream.finish(reason)
         self._release(seq)
-        ttft = None if seq.t_first is None else seq.t_first - seq.job.submitted
+        stream = seq.stream
+        ttft = None if stream.first_token_at is None else stream.first_token_at - seq.job.submitted
         self.metrics.finished(reason)
-        self._send(seq.job, Finished("stop" if reason == "stop_string" else reason, len(seq.job.prompt_ids),
-                                     len(seq.generated), seq.cached_tokens, tail, ttft, seq.matcher.matched))
+        self._send(seq.job, Finished("stop" if reason == STOP_STRING else reason, len(seq.job.prompt_ids),
+                                     stream.n_generated, seq.cached_tokens, tail, ttft, stream.matcher.matched))
 
     def _fail(self, seq: _Sequence, exc: BaseException) -> None:
         self._release(seq)
