@@ -18,6 +18,7 @@ from .errors import OmlxError, describe
 from .gguf_file import GGUFFile
 from .kv.config import PRESETS, KVConfig, KVConfigError, estimate_bytes, parse_kv
 from .sampling import SamplingParams
+from .speculate import SPECULATE_MODES
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("omlx")
@@ -83,7 +84,9 @@ def _load_engine(args):
 
     path = _resolve(args.model)
     _check_fit(path, args)
-    return Engine.load(path, kv=args.kv)
+    engine = Engine.load(path, kv=args.kv)
+    engine.speculate = getattr(args, "speculate", engine.speculate)
+    return engine
 
 
 def _sampling(args) -> SamplingParams:
@@ -633,6 +636,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--speculate", choices=SPECULATE_MODES, default="off",
+                   help="lookup: draft from text already in the context (prompt lookup) and verify the "
+                        "draft in one pass; greedy output is the same token for token (default off)")
 
 
 def _kv_arg(text: str) -> str:

@@ -120,7 +120,27 @@ class TokenStream:
             raise RuntimeError(f"the stream has finished ({self.finish_reason})")
         for process in self.processors:
             logits = process(self.history, logits)
-        token = self.sampler.sample(logits, self.history)
+        return self._take(self.sampler.sample(logits, self.history), logits)
+
+    def verify(self, rows: np.ndarray, draft: Sequence[int]) -> list[Step]:
+        """Steps for a speculative draft verified in one pass: rows (len(draft) + 1, vocab), row i
+        the logits after the history + draft[:i]. The draft tokens the acceptance rule keeps
+        (`speculate.accept_draft`: greedy, the agreeing prefix) are taken as if pushed one by one,
+        then one token more drawn from the row after them; it stops early where the stream
+        finishes. Every step but the last continues the stream with a draft token."""
+        from .speculate import accept_draft
+
+        if self.finish_reason is not None:
+            raise RuntimeError(f"the stream has finished ({self.finish_reason})")
+        steps: list[Step] = []
+        for token, logits in accept_draft(self.sampler, rows, draft, self.history, self.processors):
+            steps.append(self._take(token, logits))
+            if self.finish_reason is not None:
+                break
+        return steps
+
+    def _take(self, token: int, logits: np.ndarray) -> Step:
+        """Record the token chosen from `logits` (after the processors)."""
         if self.first_token_at is None:
             self.first_token_at = self.clock()
         logprob = None if self.logprobs is None else self._logprob(logits, token)

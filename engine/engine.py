@@ -14,16 +14,18 @@ import numpy as np
 
 from .gguf_file import GGUFError, GGUFFile
 from .kernels import background
+from .kv.batch import VerifyBatch
 from .kv.cache import KVCache
 from .kv.config import KVConfig, parse_kv
 from .kv.formats import get_format
-from .errors import KVPoolFull
+from .errors import KVPoolFull, SettingsError
 from .kv.paged import ContextFull
 from .kv.paged_attention import start_warm_up
 from .memory import PeakRSS, release_free_heap
 from .models import load_model
 from .models.base import BaseModel
 from .decoding import STOP, TokenStream
+from .speculate import SPECULATE_MODES, PromptLookup
 from .sampling import SamplingParams, log_softmax  # noqa: F401  (log_softmax re-exported: its old home)
 from .tokenizer import Tokenizer, TokenizerError
 from .weights import DenseLinear, QuantLinear
@@ -52,6 +54,8 @@ class GenerationStats:
     cached_tokens: int = 0  # prompt tokens reused from the KV cache instead of prefilled
     cache_source: str = "none"  # where they came from: "memory", "disk" or "none"
     dropped_tokens: int = 0  # tokens the overflow policy dropped during this turn
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted by prompt lookup
+    accepted_tokens: int = 0  # of those, the ones the model agreed with (kept without a step of their own)
     pinned_tokens: int = 0  # prompt tokens of pinned documents (and system prompt) held pinned
 
     def as_dict(self) -> dict:
@@ -124,6 +128,7 @@ class Engine:
         self.disk_cache = True  # save pinned prefixes under the user's cache folder
         self.master_copies = True  # pinned prefixes computed once in the 8-bit master layout (kv.requantize)
         self.prefix_capacity_tokens = 2 * model.context_length
+        self.speculate = "off"  # SPECULATE_MODES: "lookup" drafts by prompt lookup, verified in one pass
         self._prefix = None
         self._master = None  # the master layout's PrefixCache (kv.requantize), when not _prefix
         self._prefix_lock = threading.Lock()
@@ -399,12 +404,16 @@ class Engine:
         cache: KVCache | None = None,
         cancel: threading.Event | None = None,
         prefill_progress: Callable[[int, int], None] | None = None,
+        speculate: str | None = None,
     ) -> Generation:
         """Start generating after `prompt_ids`; iterate the result for streamed text.
 
         The prompt is appended to `cache` (a fresh one if None). Generation stops at EOS or an
         end-of-turn token, at a stop string, after `max_tokens`, at the model's context length,
         or when `cancel` is set (checked between tokens).
+
+        `speculate` ("off" or "lookup", default the engine's `speculate`): prompt-lookup drafts
+        verified in one pass (engine.speculate); greedy output is token-identical either way.
         """
         if not prompt_ids:
             raise EngineError("the prompt is empty")
@@ -417,13 +426,28 @@ class Engine:
                 f"the prompt is {len(prompt_ids):,} tokens but the context holds {limit:,} "
                 f"({cache.offset:,} already used)"
             )
+        speculate = self.speculate if speculate is None else speculate
+        if speculate not in SPECULATE_MODES:
+            raise SettingsError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {speculate!r}")
+        drafter = PromptLookup(max_draft=self.exact_batch_rows() - 1) if speculate == "lookup" else None
         holder: list[GenerationResult] = []
         return Generation(
-            self._run(list(prompt_ids), max_tokens, sampling, stop, cache, cancel, prefill_progress, holder),
+            self._run(list(prompt_ids), max_tokens, sampling, stop, cache, cancel, prefill_progress, holder,
+                      drafter),
             holder,
         )
 
-    def _run(self, prompt_ids, max_tokens, sampling, stop, cache, cancel, prefill_progress, holder):
+    @staticmethod
+    def _draft_room(cache: KVCache, limit: int, max_more: int) -> int:
+        """Draft tokens a verify pass may add after the next token: no drop by the overflow
+        policy, the plain loop's context check still ahead, no more than the answer may take."""
+        room = min(VerifyBatch.room(cache), limit - cache.offset) - 1  # the next token's own row
+        if not cache.can_drop:
+            room -= 1  # keep `offset + 1 < limit` for the step after, as the plain loop checks
+        return max(0, min(room, max_more))
+
+    def _run(self, prompt_ids, max_tokens, sampling, stop, cache, cancel, prefill_progress, holder,
+             drafter=None):
         peak = PeakRSS()
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         t_start = time.perf_counter()
@@ -440,6 +464,8 @@ class Engine:
             stats.kv_bytes = cache.nbytes
             stats.kv_capacity_bytes = cache.capacity_bytes
             stats.dropped_tokens = cache.dropped_tokens - dropped_before
+            if drafter is not None:
+                stats.drafted_tokens, stats.accepted_tokens = drafter.drafted, drafter.accepted
             log.info("generation: peak RSS %.1f MiB, KV %.2f MiB in use, %.2f MiB allocated (%s)",
                      stats.peak_rss_bytes / 2**20, stats.kv_bytes / 2**20,
                      stats.kv_capacity_bytes / 2**20, reason)
@@ -458,25 +484,49 @@ class Engine:
         stats.prefill_tok_s = len(prompt_ids) / max(t_prefilled - t_start, 1e-9)
         stream = TokenStream(self.tokenizer, prompt_ids, sampling=sampling, stop=stop, max_tokens=max_tokens)
         reason = None
+        pending = None  # the next token to forward, chosen with a verified draft (not sampled from `logits`)
         while not stream.done:
             if cancel is not None and cancel.is_set():
                 reason = "cancelled"
                 break
-            first = stream.first_token_at is None
-            token, text, finished = stream.push(logits)[:3]
-            if first:
-                stats.ttft_s = stream.first_token_at - t_start
-                background.note_first_token(stats.ttft_s)
-            if finished == STOP:
-                break
-            yield StreamChunk(token, text)
-            if finished is not None:
-                break
+            if pending is None:
+                first = stream.first_token_at is None
+                token, text, finished = stream.push(logits)[:3]
+                if first:
+                    stats.ttft_s = stream.first_token_at - t_start
+                    background.note_first_token(stats.ttft_s)
+                if finished == STOP:
+                    break
+                yield StreamChunk(token, text)
+                if finished is not None:
+                    break
+            else:
+                token, pending = pending, None
             if cache.offset + 1 >= limit and not cache.can_drop:
                 reason = "context_full"
                 break
             try:
-                logits = self.model.forward([token], cache, "last")[0]
+                room = self._draft_room(cache, limit, max_tokens - stream.n_generated - 1) if drafter else 0
+                draft = drafter.draft(stream.history, room) if room else []
+                if draft:
+                    # token + draft in one pass; the stream takes what the acceptance rule keeps,
+                    # the cache keeps the rows of the draft tokens the stream went on after
+                    verify = VerifyBatch(cache)
+                    rows = self.model.forward([token, *draft], verify, "all")
+                    steps = stream.verify(rows, draft)
+                    verify.finish(len(draft) - (len(steps) - 1))
+                    agreed = 0
+                    while agreed < len(steps) and agreed < len(draft) and steps[agreed].token == draft[agreed]:
+                        agreed += 1
+                    drafter.update(len(draft), agreed)
+                    for step in steps:
+                        if step.finish_reason == STOP:
+                            break
+                        yield StreamChunk(step.token, step.text)
+                    if not stream.done:
+                        pending = steps[-1].token
+                else:
+                    logits = self.model.forward([token], cache, "last")[0]
             except ContextFull:
                 reason = "context_full"
                 break

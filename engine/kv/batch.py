@@ -254,11 +254,11 @@ class VerifyBatch(KVCache):
         if len(tokens) > self.room(self.cache):
             raise ContextFull(f"a draft of {len(tokens)} tokens does not fit: {self.cache.offset:,} of "
                               f"the context limit of {self.cache.limit:,} are used")
+        self.cache.begin_forward(tokens)  # room for every row first (raises before any change)
         for layer in self.cache.layers:  # no release until the rejected rows are trimmed
             if hasattr(layer, "defer_release"):
                 self._deferred.append((layer, layer.defer_release))
                 layer.defer_release = True
-        self.cache.begin_forward(tokens)
         self._n_tokens = len(tokens)
 
     def end_forward(self) -> None:

@@ -1,0 +1,137 @@
+"""Prompt-lookup speculative decoding: draft the continuation of the latest earlier occurrence of
+the text's last few tokens, verify the draft in one forward pass, keep what the model agrees with.
+
+Questions about a document, summaries and edits of pasted text answer largely in words already in
+the context; where the last n tokens (n = MAX_NGRAM .. MIN_NGRAM, longest first) occurred before,
+the tokens that followed are a likely continuation. One pass over the weights checks all of them
+(`kv.batch.VerifyBatch`: every row's logits bit-equal to decoding that token alone), and the
+rejected rows are rolled back exactly, so greedy output is token-identical to decoding without
+speculation. With temperature, the standard speculative-sampling rule keeps the output
+distribution: a drafted token d is kept with probability p(d) (the draft is deterministic, q(d)
+= 1), and on rejection the token is drawn from p with d removed, renormalised.
+
+    PromptLookup    the drafter: an n-gram index over the history, grown as tokens come
+    accept_draft    the acceptance rule over the verified rows (TokenStream.verify takes its tokens)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from .sampling import Sampler
+
+MAX_NGRAM = 3
+MIN_NGRAM = 2  # a single token recurs too often to predict what follows it
+MAX_DRAFT = 7  # + the token before it: 8 rows, what the linear layers compute row-exactly
+SPECULATE_MODES = ("off", "lookup")
+
+
+class PromptLookup:
+    """Drafts from the history (prompt + generated tokens) it is shown.
+
+    The draft length adapts: one more after a fully accepted draft (up to `max_draft`), the
+    accepted length + 1 after a rejection, so text unlike anything before costs little. An index
+    maps every n-gram (MIN_NGRAM <= n <= MAX_NGRAM) of the history to where its latest earlier
+    occurrence ended; it grows by the tokens added since the last call (the history only grows
+    between calls; a shorter or changed one is indexed afresh)."""
+
+    def __init__(self, max_draft: int = MAX_DRAFT, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-gram sizes {min_ngram}..{max_ngram}")
+        self.max_draft = max_draft
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.length = min(4, max_draft)
+        self.drafted = self.accepted = 0  # totals, for the stats
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram → position just after it
+        self._seen: list[int] = []  # the history indexed so far
+
+    def _sync(self, history: Sequence[int]) -> None:
+        """Index the n-grams that end before the history's last token (the last n-gram is the
+        one looked up: its own occurrence must not answer)."""
+        n_seen = len(self._seen)
+        if len(history) < n_seen or (n_seen and int(history[n_seen - 1]) != self._seen[-1]):
+            self._index.clear()
+            self._seen = []
+            n_seen = 0
+        self._seen.extend(int(t) for t in history[n_seen:])
+        seen = self._seen
+        # n-grams ending at e (inclusive) for e < len - 1, those not indexed yet
+        start = max(0, n_seen - 1)
+        for e in range(start, len(seen) - 1):
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if e + 1 >= n:
+                    self._index[tuple(seen[e + 1 - n : e + 1])] = e + 1
+
+    def draft(self, history: Sequence[int], room: int) -> list[int]:
+        """Up to min(length, room) tokens that followed the latest earlier occurrence of the
+        history's longest matching tail, or [] when none occurred before."""
+        k = min(self.length, room, self.max_draft)
+        if k <= 0 or len(history) < self.min_ngram + 1:
+            return []
+        self._sync(history)
+        seen = self._seen
+        for n in range(min(self.max_ngram, len(seen) - 1), self.min_ngram - 1, -1):
+            at = self._index.get(tuple(seen[-n:]))
+            if at is not None:
+                return seen[at : at + k]
+        return []
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        """The verification of a draft of n_drafted kept n_accepted of it."""
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        if n_accepted == n_drafted:
+            self.length = min(self.max_draft, self.length + 1)
+        else:
+            self.length = max(1, n_accepted + 1)
+
+
+def accept_draft(sampler: Sampler, rows: np.ndarray, draft: Sequence[int], history: Sequence[int],
+                 processors: Sequence = ()) -> Iterator[tuple[int, np.ndarray]]:
+    """The tokens a verified draft yields, each with the logits it was chosen from: the draft's
+    accepted prefix, then one more drawn from the row after it (len(accepted) + 1 in all, fewer
+    if the caller stops early). Lazy: each row's processors see the history with the tokens
+    yielded before it: the caller appends each yielded token to `history` before asking for the
+    next (TokenStream's own history does).
+
+    Args:
+        rows: (len(draft) + 1, vocab) logits; row i is the model's next-token logits after
+            history + draft[:i].
+        history: the live list of tokens before the row (prompt and generated so far).
+        processors: (history, logits) -> logits, applied to each row first (TokenStream's).
+    """
+    greedy = sampler.params.temperature == 0.0
+    for i in range(len(draft) + 1):
+        seen = history
+        logits = rows[i]
+        for process in processors:
+            logits = process(seen, logits)
+        if i == len(draft):
+            yield sampler.sample(logits, seen), logits
+            return
+        d = int(draft[i])
+        if greedy:
+            token = sampler.sample(logits, seen)
+            yield token, logits
+            if token != d:
+                return
+            continue
+        ids, probs = sampler.distribution(logits, seen)
+        where = np.flatnonzero(ids == d)
+        p_d = float(probs[where[0]]) if where.size else 0.0
+        if sampler.rng.random() < p_d:
+            yield d, logits
+            continue
+        residual = probs.copy()
+        if where.size:
+            residual[where[0]] = 0.0
+        total = residual.sum()
+        if total <= 0.0:  # p all on d (kept above but for rounding): keep d
+            yield d, logits
+            continue
+        cumulative = np.cumsum(residual)
+        index = min(int(np.searchsorted(cumulative, sampler.rng.random() * total, side="right")), ids.size - 1)
+        yield int(ids[index]), logits
+        return

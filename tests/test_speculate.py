@@ -1,0 +1,131 @@
+"""Prompt-lookup speculative decoding: the drafter, the acceptance rule (greedy and sampled), and
+the engine's output with and without speculation on the real models."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine import cli
+from engine.engine import Engine
+from engine.sampling import Sampler, SamplingParams
+from engine.speculate import PromptLookup, accept_draft
+
+from .conftest import reference_json
+
+
+# -- the drafter -------------------------------------------------------------------------------
+def test_the_draft_continues_the_latest_earlier_occurrence_of_the_longest_tail():
+    lookup = PromptLookup(max_draft=4)
+    history = [1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 0, 1, 2, 3]
+    # tail (1, 2, 3) occurred at the start: what followed it there
+    assert lookup.draft(history, room=10) == [9, 9, 5, 2]
+    # (2, 3) also occurred later (followed by 7 8), but the longest match wins
+    history2 = [5, 2, 3, 7, 8, 6, 4, 2, 3]
+    assert lookup.draft(history2, room=10) == [7, 8, 6, 4]
+    assert lookup.draft(history2, room=2) == [7, 8]
+    assert lookup.draft([4, 5, 6, 7], room=10) == []  # nothing repeats
+    assert lookup.draft([4, 4, 4], room=0) == []
+
+
+def test_the_index_grows_with_the_history_and_the_length_adapts():
+    lookup = PromptLookup(max_draft=6)
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    assert lookup.draft(history, 10) == [3, 4, 5, 6]
+    lookup.update(4, 4)  # all accepted: one more next time
+    assert lookup.length == 5
+    history += [3, 4, 5, 6]
+    assert lookup.draft(history, 10) == [7, 8, 1, 2, 3]
+    lookup.update(5, 1)  # rejected after one: the accepted length + 1
+    assert lookup.length == 2
+    assert (lookup.drafted, lookup.accepted) == (9, 5)
+
+
+# -- the acceptance rule -------------------------------------------------------------------------
+def _accept(sampler, rows, draft):
+    """accept_draft's tokens for a caller that keeps the history as TokenStream does."""
+    history: list[int] = []
+    out = []
+    for token, _ in accept_draft(sampler, rows, draft, history):
+        history.append(token)
+        out.append(token)
+    return out
+
+
+def test_greedy_acceptance_keeps_the_agreeing_prefix_and_adds_the_models_token():
+    rows = np.full((4, 5), -5.0, np.float32)
+    for i, best in enumerate([2, 4, 1, 3]):
+        rows[i, best] = 5.0
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    assert _accept(sampler, rows, [2, 4, 1]) == [2, 4, 1, 3]  # all kept, then row 3's
+    assert _accept(sampler, rows, [2, 0, 1]) == [2, 4]  # rejected at 1: the model's token
+
+
+def test_sampled_acceptance_keeps_the_output_distribution():
+    """The speculative-sampling rule with a deterministic draft: the first token's distribution is
+    the model's p whatever the draft, and after an accepted draft token the next one is drawn from
+    the next row. 40,000 trials, every frequency within 5 standard errors."""
+    rng = np.random.default_rng(1)
+    rows = rng.normal(0, 1.2, (3, 6)).astype(np.float32)
+    params = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, seed=7)
+    sampler = Sampler(params)
+    _, p0 = sampler.distribution(rows[0], [])
+    _, p1 = sampler.distribution(rows[1], [])
+    trials = 40_000
+    first = np.zeros(6)
+    second_after_draft = np.zeros(6)
+    n_second = 0
+    for _ in range(trials):
+        out = _accept(sampler, rows, [2, 5])
+        first[out[0]] += 1
+        if out[0] == 2 and len(out) > 1:
+            second_after_draft[out[1]] += 1
+            n_second += 1
+    for observed, p, n in ((first / trials, p0, trials), (second_after_draft / n_second, p1, n_second)):
+        se = np.sqrt(p * (1 - p) / n)
+        assert np.all(np.abs(observed - p) <= 5 * se + 1e-9), (observed, p)
+
+
+# -- the engine ----------------------------------------------------------------------------------
+REPEATING = ("Repeat this list exactly: red apple, green pear, blue plum, yellow lemon. "
+             "red apple, green pear, blue plum, yellow lemon. red apple, green pear,")
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
+def loaded(request, smollm2_path, gemma3_path):
+    path = smollm2_path if request.param.startswith("smollm2") else gemma3_path
+    return request.param, Engine.load(path, kv="full")
+
+
+@pytest.mark.slow  # two real models, 16 answers of 40 tokens
+@pytest.mark.parametrize("kv", ["full", "k4v4"])
+def test_greedy_tokens_are_identical_with_and_without_speculation(loaded, kv):
+    name, engine = loaded
+    prompts = [engine.encode_prompt(REPEATING)]
+    prompts += [case["prompt_ids"] for case in reference_json(name, f32=True)["greedy_raw"][:3]]
+    accepted = 0
+    for ids in prompts:
+        plain_cache, spec_cache = engine.new_cache(kv), engine.new_cache(kv)
+        plain = engine.stream(ids, max_tokens=40, cache=plain_cache, speculate="off").result
+        spec = engine.stream(ids, max_tokens=40, cache=spec_cache, speculate="lookup").result
+        assert spec.ids == plain.ids and spec.text == plain.text and spec.finish_reason == plain.finish_reason
+        # the cache holds what the plain loop forwarded, no rejected or unconsumed draft token
+        assert spec_cache.token_ids == plain_cache.token_ids and spec_cache.offset == plain_cache.offset
+        assert spec.stats.accepted_tokens <= spec.stats.drafted_tokens
+        accepted += spec.stats.accepted_tokens
+        plain_cache.release()
+        spec_cache.release()
+    assert accepted > 0  # the repeating prompt is drafted from and the drafts are kept
+
+
+def test_generate_json_reports_drafted_and_accepted_tokens(capsys, smollm2_path):
+    code = cli.main(["-q", "generate", str(smollm2_path), "--prompt", REPEATING, "--max-tokens", "16",
+                     "--json", "--speculate", "lookup"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert out["stats"]["drafted_tokens"] > 0 and 0 < out["stats"]["accepted_tokens"] <= out["stats"]["drafted_tokens"]
+    code = cli.main(["-q", "generate", str(smollm2_path), "--prompt", REPEATING, "--max-tokens", "16", "--json"])
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["ids"] == out["ids"] and plain["stats"]["drafted_tokens"] == 0
