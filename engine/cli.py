@@ -503,7 +503,7 @@ def cmd_kv_sim(args) -> int:
 
 def _eval_derived(engine, ids, specs, args, report) -> int:
     """eval-kv --derived: each spec with its first --prefix-tokens derived from a master copy."""
-    from .kv.requantize import evaluate_derived
+    from .evaluate import evaluate_derived
 
     prefix = args.prefix_tokens if args.prefix_tokens is not None else (3 * args.n_tokens) // 4
     results = evaluate_derived(engine, ids, specs, prefix, master_bits=args.master_bits, progress=report)

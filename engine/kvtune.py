@@ -44,10 +44,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .engine import log_softmax
 from .errors import OmlxError, SettingsError
 from .kv.config import DEFAULT_BLOCK_SIZE, KVConfig, estimate_bytes, parse_kv
 from .kv.formats import get_format
+from .sampling import log_softmax
 
 CANDIDATE_BITS = (2, 3, 4, 5, 6, 8)
 ROLES = ("k", "v")

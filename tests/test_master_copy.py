@@ -210,7 +210,7 @@ def _doc_text(engine, n_tokens: int) -> str:
 @pytest.mark.slow
 def test_derived_k6v4_and_k4v4_are_within_a_quarter_of_direct_kl(smollm2_path):
     from engine.engine import Engine
-    from engine.kv.requantize import evaluate_derived
+    from engine.evaluate import evaluate_derived
 
     engine = Engine.load(smollm2_path, kv="full")
     ids = engine.tokenizer.encode(_gpl(), add_bos=True)[:1025]

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from engine.engine import Engine, log_softmax
+from engine.engine import Engine
+from engine.sampling import log_softmax
 from engine.session import ANSWER_RESERVE, DocumentError, Session, read_document
 
 from .conftest import DATA
