@@ -20,7 +20,6 @@ from .kv.config import KVConfig, parse_kv
 from .kv.formats import get_format
 from .errors import KVPoolFull, SettingsError
 from .kv.paged import ContextFull
-from .kv.paged_attention import start_warm_up
 from .memory import PeakRSS, release_free_heap
 from .models import load_model
 from .models.base import BaseModel
@@ -29,6 +28,7 @@ from .speculate import SPECULATE_MODES, PromptLookup
 from .sampling import SamplingParams, log_softmax  # noqa: F401  (log_softmax re-exported: its old home)
 from .tokenizer import Tokenizer, TokenizerError
 from .weights import DenseLinear, QuantLinear
+from .warmup import start_warm_up
 
 log = logging.getLogger("omlx.engine")
 

@@ -202,7 +202,7 @@ class _LayerCaches:
 
 
 def _final_norm(model, x: np.ndarray) -> np.ndarray | None:
-    from .models.base import rms_norm
+    from .kernels.norms import rms_norm
 
     norm, args = getattr(model, "output_norm", None), getattr(model, "args", None)
     if norm is None or not hasattr(args, "norm_eps"):

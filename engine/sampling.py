@@ -21,14 +21,6 @@ NUCLEUS_GROWTH = 8
 MIN_P_PREFILTER_SLACK = 1e-6
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """(n, vocab) → (n, vocab) float64 log-probabilities."""
-    x = logits.astype(np.float64)
-    x -= x.max(axis=-1, keepdims=True)
-    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
-    return x
-
-
 def _is_int(value: object) -> bool:
     """An integer that is not a bool."""
     return isinstance(value, Integral) and not isinstance(value, bool)

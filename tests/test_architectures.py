@@ -22,7 +22,7 @@ import pytest
 from engine.errors import ModelError, UnsupportedModel, describe
 from engine.gguf_file import GGUFFile
 from engine.models import kv_geometry, load_model, supported_architectures
-from engine.models.base import rms_norm
+from engine.kernels.norms import rms_norm
 
 from .conftest import DATA
 from .tiny_gguf import write_tiny_model

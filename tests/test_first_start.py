@@ -13,6 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from engine import warmup
 from engine.kernels import background
 from engine.kv import paged_attention
 from engine.kv.config import KVConfig
@@ -197,9 +198,9 @@ def test_in_cache_probe_reads_numba_index():
 
 
 def test_warm_up_mode_is_validated(monkeypatch):
-    monkeypatch.setenv(paged_attention.WARM_UP_ENV, "later")
+    monkeypatch.setenv(warmup.WARM_UP_ENV, "later")
     with pytest.raises(ValueError, match="OMLX_KERNEL_WARMUP"):
-        paged_attention.start_warm_up()
+        warmup.start_warm_up()
 
 
 # -- a whole first start --------------------------------------------------------------------
@@ -211,7 +212,7 @@ def test_first_start_with_an_empty_kernel_cache_answers_and_names_the_path(smoll
     (the same as with every kernel ready), and the log says the exact fallbacks answered."""
     case = reference_json("smollm2-135m-instruct", f32=True)["greedy_raw"][0]
     env = dict(os.environ, PYTHONPATH=ROOT, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
-    env.pop(paged_attention.WARM_UP_ENV, None)
+    env.pop(warmup.WARM_UP_ENV, None)
     proc = subprocess.run([sys.executable, "-m", "engine.cli", "generate", str(smollm2_path), "--prompt",
                            case["prompt"], "--max-tokens", "8", "--json"],
                           capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)

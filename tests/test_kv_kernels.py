@@ -354,9 +354,9 @@ def test_decode_batch_call_equals_each_sequence_alone_when_the_pool_steals(monke
     kernels' pool) gives each sequence exactly its own `attend`, also when the caller takes over
     every chunk the worker has not finished at once (grace 0)."""
     from engine.kernels import quant_matvec
-    from engine.kv import paged_attention
+    from engine import warmup
 
-    layer, q, k = paged_attention._tiny_layer(True)
+    layer, q, k = warmup._tiny_layer(True)
     pool = quant_matvec._get_pool()
     if pool is not None:
         monkeypatch.setattr(pool, "grace_per_byte", 0.0)

@@ -843,10 +843,10 @@ def test_attention_kernels_warm_up_once_and_log(caplog, monkeypatch):
     took (the first start on a machine compiles them)."""
     import logging
 
-    from engine.kv import paged_attention
+    from engine import warmup
 
-    paged_attention._compile_attention_kernels.cache_clear()  # as in a new process
+    warmup._compile_attention_kernels.cache_clear()  # as in a new process
     with caplog.at_level(logging.INFO, logger="omlx.kernels"):
-        assert paged_attention.warm_up_attention() > 0
+        assert warmup.warm_up_attention() > 0
     assert any("attention kernels ready in" in r.getMessage() for r in caplog.records)
-    assert paged_attention.warm_up_attention() == 0.0
+    assert warmup.warm_up_attention() == 0.0

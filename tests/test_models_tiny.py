@@ -130,7 +130,7 @@ def test_compiled_rms_norm_is_the_numpy_expression_bit_for_bit(dim):
     """rms_norm runs float32 rows through one compiled call that reproduces numpy's pairwise sum;
     it must equal the numpy expression exactly (the numpy path serves other dtypes and layouts),
     for one row (decode), many rows (prefill) and per-head norms (T, H, D)."""
-    from engine.models import base
+    from engine.kernels import norms
 
     rng = np.random.default_rng(dim)
     weight = rng.standard_normal(dim).astype(np.float32)
@@ -138,12 +138,12 @@ def test_compiled_rms_norm_is_the_numpy_expression_bit_for_bit(dim):
         x = (rng.standard_normal(shape) * rng.uniform(0.01, 300)).astype(np.float32)
         ms = np.add.reduce(np.square(x), axis=-1, keepdims=True) / np.float32(dim)
         expected = x * (1.0 / np.sqrt(ms + np.float32(1e-6))) * weight
-        got = base.rms_norm(x, weight, 1e-6)
+        got = norms.rms_norm(x, weight, 1e-6)
         assert got.dtype == np.float32 and got.shape == x.shape
         np.testing.assert_array_equal(got, expected)
     strided = np.asfortranarray(rng.standard_normal((6, dim)).astype(np.float32))  # the numpy path
     ms = np.add.reduce(np.square(strided), axis=-1, keepdims=True) / np.float32(dim)
-    np.testing.assert_array_equal(base.rms_norm(strided, weight, 1e-6),
+    np.testing.assert_array_equal(norms.rms_norm(strided, weight, 1e-6),
                                   strided * (1.0 / np.sqrt(ms + np.float32(1e-6))) * weight)
 
 
@@ -152,12 +152,13 @@ def test_compiled_rms_norm_is_the_numpy_expression_bit_for_bit(dim):
 def test_rope_of_one_token_is_the_numpy_rotation_bit_for_bit(neox, head_dim):
     """Decode rotates its single token in one compiled call; it must equal the batched numpy
     rotation exactly, or decode would drift from prefill."""
-    from engine.models import base
+    from engine.kernels.norms import apply_rope
+    from engine.models.base import rope_tables
 
     rng = np.random.default_rng(2)
     x = (rng.standard_normal((1, 9, head_dim)) * 4).astype(np.float32)
-    cos, sin = base.rope_tables(np.array([4321]), head_dim, 10000.0)
-    fast = base.apply_rope(x, cos, sin, neox)
-    two = base.apply_rope(np.concatenate([x, x]), np.concatenate([cos, cos]), np.concatenate([sin, sin]), neox)
+    cos, sin = rope_tables(np.array([4321]), head_dim, 10000.0)
+    fast = apply_rope(x, cos, sin, neox)
+    two = apply_rope(np.concatenate([x, x]), np.concatenate([cos, cos]), np.concatenate([sin, sin]), neox)
     np.testing.assert_array_equal(fast[0], two[0])  # two rows take the numpy path
     assert not np.array_equal(fast, x)

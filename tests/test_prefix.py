@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from engine.gguf_file import GGUFFile
+from engine.kernels.norms import apply_rope
 from engine.kv.config import parse_kv
 from engine.errors import ContextFull, KVPoolFull
 from engine.kv.prefix import PrefixCache, PrefixDiskStore, layout_signature
 from engine.models import load_model
-from engine.models.base import apply_rope, rope_tables
+from engine.models.base import rope_tables
 
 from .tiny_gguf import write_tiny_model
 

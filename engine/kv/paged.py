@@ -6,7 +6,7 @@ the next tokens (pool reservation, the overflow policy of `overflow`), the token
 prefix-cache chain of its full blocks.
 
     storage.py          PagedLayerCache: one layer's blocks, tail and sinks (no arithmetic)
-    paged_attention.py  the attention paths, chosen once per layer cache; warm_up_attention
+    paged_attention.py  the attention paths, chosen once per layer cache
     overflow.py         stop / rolling / attention: which blocks to drop at the context limit
     pool.py             LayerBlockPool, build_pools
 """
@@ -19,11 +19,10 @@ from ..errors import ContextFull, KVPoolFull  # noqa: F401  (ContextFull re-expo
 from .cache import KVCache, LayerKVCache
 from .config import KVConfig
 from .overflow import OVERFLOW_POLICIES, overflow_policy
-from .paged_attention import warm_up_attention  # noqa: F401  (re-exported: engine.py imports it here)
 from .pool import LayerBlockPool, build_pools
 from .storage import PagedLayerCache
 
-__all__ = ["OVERFLOW_POLICIES", "PagedKVCache", "PagedLayerCache", "warm_up_attention"]
+__all__ = ["OVERFLOW_POLICIES", "PagedKVCache", "PagedLayerCache"]
 
 
 class PagedKVCache(KVCache):

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..gguf_file import GGUFFile
+from ..kernels.norms import apply_rope, rms_norm
 from ..kv.cache import KVCache, LayerKVCache
 from ..weights import WeightStore
-from .base import BaseModel, KVGeometry, apply_rope, gelu_tanh, rms_norm, rope_freq_scale, rope_tables
+from .base import BaseModel, KVGeometry, gelu_tanh, rope_freq_scale, rope_tables
 
 ARCH = "gemma3"
 LOCAL_ROPE_BASE = 10_000.0

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..gguf_file import GGUFFile
+from ..kernels.norms import rms_norm
 from ..kv.cache import KVCache, LayerKVCache
 from ..weights import WeightStore
-from .base import BaseModel, KVGeometry, Rope, rms_norm, rope_freq_scale, silu
+from .base import BaseModel, KVGeometry, Rope, rope_freq_scale, silu
 
 ROPE_FREQS = "rope_freqs.weight"
 
