@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -33,6 +30,7 @@ from engine import cli  # noqa: E402
 from engine.gguf_file import GGUFFile  # noqa: E402
 from engine.models import supported_architectures  # noqa: E402
 
+from .serve_process import ServeProcess  # noqa: E402
 from .tiny_gguf import write_tiny_model  # noqa: E402
 from .tiny_variants import write_variant  # noqa: E402
 
@@ -150,44 +148,16 @@ def test_kv_tune(capsys, tiny, text_file):
     assert json.loads(out)["spec"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_answers_a_chat_request(tiny):
-    import httpx2 as httpx  # the HTTP client the openai package is built on
     import openai
 
-    port = _free_port()
-    # kernels compile in the background as on a user's first start (exact fallbacks answer):
-    # a cold numba cache on a loaded machine takes minutes to compile everything first
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMLX_KERNEL_WARMUP="background")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", str(tiny), "--port", str(port),
-                             "--ctx", "512", "--max-batch", "2"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "omlx serve did not start"
-            time.sleep(0.1)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with ServeProcess(tiny, "--ctx", "512", "--max-batch", "2") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         r = client.chat.completions.create(model=tiny.stem, messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=3, temperature=0)
         assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    assert "Traceback" not in err, err
+    assert server.returncode == 0, server.stderr
+    assert "Traceback" not in server.stderr, server.stderr
 
 
 def test_window_loads_and_answers(qapp, tiny, tmp_path):

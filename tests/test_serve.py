@@ -470,41 +470,14 @@ def test_smollm2_resent_conversation_reuses_the_cached_prefix(smol):
 
 @pytest.mark.slow  # starts a process
 def test_omlx_serve_runs_from_the_command_line_and_stops_on_ctrl_c(tiny_path):
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
+    from .serve_process import ServeProcess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root))
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", str(tiny_path), "--port", str(port),
-                             "--kv", "full", "--ctx", "256", "--max-batch", "2"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "omlx serve did not start"
-            time.sleep(0.2)
-        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with ServeProcess(tiny_path, "--kv", "full", "--ctx", "256", "--max-batch", "2") as server:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["tiny-chat"]  # the file's stem
         r = c.completions.create(model="tiny-chat", prompt="the cat", max_tokens=3, temperature=0)
         assert r.usage.completion_tokens == 3
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    assert server.returncode == 0, server.stderr
 
 
 def test_an_engine_failure_fails_the_running_request_and_the_engine_thread_goes_on(tiny_path):
