@@ -480,7 +480,7 @@ class IntMatvec:
     __slots__ = ("ggml_type", "isa", "packed", "n_rows", "in_features", "compute", "chunk")
 
     def __init__(self, ggml_type, raw: np.ndarray, in_features: int, isa: str, packed: np.ndarray | None = None):
-        from .quant_matvec import CHUNK_BYTES, readonly
+        from .quant_matvec import _MAX_CHUNKS, CHUNK_BYTES, readonly
 
         if not supports(ggml_type, raw.shape[0], in_features) or isa not in int_dot.ISA_LANES:
             raise ValueError(f"no integer kernel for {ggml_type.name} ({raw.shape[0]} x {in_features}) on {isa}")
@@ -488,7 +488,11 @@ class IntMatvec:
         self.packed = readonly(repack(raw, ggml_type) if packed is None else packed)
         self.n_rows, self.in_features = raw.shape[0], in_features
         self.compute = compute_address(ggml_type, isa)
-        self.chunk = max(16, (CHUNK_BYTES // raw.shape[1]) // 16 * 16)
+        # rows per chunk: ~CHUNK_BYTES, whole groups of GROUP rows, and at most _MAX_CHUNKS chunks
+        # (the pool's state array has that many slots: a vocabulary-sized matrix of 262,144 rows
+        # needs chunks of 64 rows or more)
+        fewest = -(-raw.shape[0] // _MAX_CHUNKS)
+        self.chunk = max(GROUP, (CHUNK_BYTES // raw.shape[1]) // GROUP * GROUP, -(-fewest // GROUP) * GROUP)
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """x C-contiguous float32 (T, in_features) -> out (T, rows)."""

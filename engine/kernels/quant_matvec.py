@@ -1656,7 +1656,9 @@ def run_rows(fn: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, chunk: in
     give the same values whichever thread runs a chunk (a chunk may be run twice: a stolen one).
     keep: the objects owning any other memory fn reads by address (held for a while when a
     worker's chunk was stolen: that worker may read on after the call returned)."""
-    if raw.shape[0] > chunk and not _pool_deferred and x.shape[0] * chunk <= _Pool.BUF_VALUES:
+    # more than _MAX_CHUNKS chunks would run past the pool's state array: the caller does it alone
+    if (raw.shape[0] > chunk and not _pool_deferred and x.shape[0] * chunk <= _Pool.BUF_VALUES
+            and -(-raw.shape[0] // chunk) <= _MAX_CHUNKS):
         pool = _pool if _pool_made else _get_pool()
         if pool is not None and pool.run_job(fn, raw, x, out, chunk, chunk_bytes, keep):
             return out
