@@ -20,7 +20,7 @@ compiles the remaining groups itself.
 numba compiles under one process-wide lock (its compiler lock), also when it only loads a cached
 kernel: a first call of a kernel not compiled yet, in any thread, waits while this process's
 background thread compiles or loads. Whatever the foreground calls before a group is ready must
-therefore be compiled before `start` (`engine.kv.paged_attention.start_warm_up` does that).
+therefore be compiled before `start` (`engine.warmup.start_warm_up` does that).
 
 A group is a name (as the log shows it) and a target "module:function": a function that compiles
 or loads the group's kernels by running them once. `status()` tells which groups are ready; the
