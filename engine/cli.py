@@ -176,6 +176,7 @@ def cmd_info(args) -> int:
     from collections import Counter
 
     from .models import model_args
+    from .weights import weight_kernels
 
     gguf = GGUFFile(_resolve(args.model))
     model = model_args(gguf)  # metadata only: printing sizes needs no weights
@@ -206,6 +207,7 @@ def cmd_info(args) -> int:
         "kv_spec": str(config),
         "kv_bytes_at_full_context": kv_ctx,
         "fit": estimate.as_dict(),
+        "weight_kernels": weight_kernels(gguf),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -217,6 +219,10 @@ def cmd_info(args) -> int:
     print(f"  context        {model.context_length:,} tokens; vocabulary {model.vocab_size:,}")
     print("  tensor types   " + ", ".join(f"{k} ×{v}" for k, v in types.most_common()))
     print(f"  chat template  {'yes' if info['chat_template'] else 'no (plain completion)'}")
+    wk = info["weight_kernels"]
+    on_int = f"; on them: {', '.join(wk['int'])}" if wk["int"] else ""
+    on_float = f"; float kernels: {', '.join(wk['float'])}" if wk["float"] and wk["int"] else ""
+    print(f"  weight kernels {wk['kernels']}{on_int}{on_float}")
     kv = g.bytes_per_token()
     print(f"  KV cache       {kv / 1024:.1f} KiB/token at 16 bits "
           f"({kv * model.context_length / 2**20:,.0f} MiB at the full context); "

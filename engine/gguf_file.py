@@ -251,6 +251,20 @@ class GGUFFile:
             n_rows, row_bytes
         )
 
+    def release(self, view: np.ndarray) -> None:
+        """Drop the resident pages of a view of the file (from `raw`) from this process, once a
+        copy of those bytes replaced it: the map is read-only and file-backed, so a page read
+        again comes back from the file. Only whole pages inside the view are dropped."""
+        base = np.frombuffer(self._buf, dtype=np.uint8, count=1).ctypes.data
+        offset = view.ctypes.data - base
+        if not (0 <= offset and offset + view.nbytes <= self.file_size) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start = -(-offset // page) * page
+        stop = (offset + view.nbytes) // page * page
+        if stop > start:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
     def sha256(self, chunk: int = 1 << 22) -> str:
         """sha256 of the whole file (cached beside nothing: the caller caches)."""
         h = hashlib.sha256()

@@ -65,6 +65,45 @@ def default_backend() -> str:
     return wanted if HAVE_NUMBA else "dense"
 
 
+ARITH_ENV = "OMLX_ARITH"  # "exact" (default): integer kernels where they exist; "float": never
+
+
+def weight_arith(ggml_type: GGMLQuantizationType, out_features: int, in_features: int) -> str:
+    """"int" when this CPU has integer kernels (`int_dot.kernel_isa`, OMLX_KERNELS forces one, or
+    "float") and the type has them at this shape, unless OMLX_ARITH=float; else "float". Both
+    pass the exactness bars (docs/kernels.md); the integer ones are the faster."""
+    wanted = os.environ.get(ARITH_ENV, "").strip().lower() or "exact"
+    if wanted not in ("exact", "float"):
+        raise ValueError(f"{ARITH_ENV}={wanted!r}: expected exact or float")
+    if wanted == "float" or not HAVE_NUMBA:
+        return "float"
+    from .kernels import int_dot, int_matvec
+
+    if not int_matvec.supports(ggml_type, out_features, in_features) or int_dot.kernel_isa() == "float":
+        return "float"
+    return "int"
+
+
+def weight_kernels(gguf: GGUFFile) -> dict:
+    """Which kernels the matrices of a file will run on, from its header alone (`omlx info`):
+    {"isa": the integer kernels' instruction set or "float", "kernels": its description,
+    "int": [types on the integer kernels], "float": [types on the float ones]}."""
+    by_path: dict[str, set[str]] = {"int": set(), "float": set()}
+    for info in gguf.tensors.values():
+        if len(info.shape) != 2 or info.ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            continue
+        by_path[weight_arith(info.ggml_type, *info.shape)].add(info.type_name)
+    isa = "float"
+    if HAVE_NUMBA and os.environ.get(ARITH_ENV, "").strip().lower() != "float":
+        from .kernels import int_dot
+
+        isa = int_dot.kernel_isa()
+    from .kernels import int_dot
+
+    return {"isa": isa, "kernels": int_dot.describe(isa), "int": sorted(by_path["int"]),
+            "float": sorted(by_path["float"])}
+
+
 def dequantize_rows(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     """(rows, bytes per row) quantized blocks → (rows, values per row) float32 (gguf's reference
     dequantizer)."""
@@ -94,6 +133,67 @@ def _product_view(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def _product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x @ w.T (T, n), C-contiguous."""
     return np.ascontiguousarray(_product_view(x, w))
+
+
+_blas_rows_independent: bool | None = None
+
+
+def blas_rows_independent() -> bool:
+    """Whether this process's BLAS computes each row of a product of many rows (past its small-
+    product paths: 17..300 rows of a SmolLM2-sized matrix, either layout `_product` takes) with
+    the same bits whatever the other rows: what batching several sequences' prefill chunks into
+    one pass relies on (`serve.scheduler.min_batched_chunk`). Measured once, in ~10 ms: OpenBLAS
+    picks its kernels by CPU, and its Haswell kernels (AVX2 CPUs, AMD's Zen 4, or
+    OPENBLAS_CORETYPE=Haswell) round a row differently with the number of rows; its SkylakeX
+    kernels do not."""
+    global _blas_rows_independent
+    if _blas_rows_independent is None:
+        rng = np.random.default_rng(0)
+        same = True
+        for n, k in ((192, 576), (576, 1536)):
+            w = rng.standard_normal((n, k)).astype(np.float32)
+            x = rng.standard_normal((300, k)).astype(np.float32)
+            full = _product(x, w)
+            for T in (17, 46, TRANSPOSED_PRODUCT_MAX_ROWS, TRANSPOSED_PRODUCT_MAX_ROWS + 1, 200):
+                same = same and np.array_equal(_product(x[:T], w).view(np.uint32), full[:T].view(np.uint32))
+        _blas_rows_independent = bool(same)
+    return _blas_rows_independent
+
+
+def linear_layers(obj, _seen: set | None = None):
+    """Every QuantLinear and DenseLinear reachable from `obj` (a model) through attributes, slots,
+    lists, tuples and dicts, each once."""
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen or obj is None or isinstance(obj, (np.ndarray, str, bytes, int, float, bool)):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (QuantLinear, DenseLinear)):
+        yield obj
+        return
+    if isinstance(obj, Embedding):
+        if obj._linear is not None:
+            yield from linear_layers(obj._linear, seen)
+        return
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        children = list(obj)
+    elif hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
+        children = list(getattr(obj, "__dict__", {}).values())
+        children += [getattr(obj, n) for n in getattr(type(obj), "__slots__", ()) if hasattr(obj, n)]
+    else:
+        return
+    for child in children:
+        yield from linear_layers(child, seen)
+
+
+def products_use_blas(model) -> bool:
+    """Whether some linear layer of the model's blocks (`model.layers`: what a prefill's many rows
+    go through; the output layer takes only each sequence's last row) multiplies many rows
+    through BLAS (float32 matrices, quantized types without integer kernels); False when every
+    one is on the integer kernels, whose rows are exact at any count."""
+    layers = getattr(model, "layers", model)
+    return any(not (isinstance(lin, QuantLinear) and lin.arith == "int") for lin in linear_layers(layers))
 
 
 def _as_rows(x, in_features: int) -> tuple[np.ndarray, tuple]:
@@ -204,7 +304,16 @@ class QuantLinear:
     # multi-threaded BLAS call ends in a barrier, which costs most when other processes are busy).
     TILE_VALUES = 1 << 22
 
-    def __init__(self, raw: np.ndarray, ggml_type: GGMLQuantizationType, out_features: int, in_features: int):
+    # rows repacked at a time for the integer kernels (a multiple of their 16-row groups): the
+    # file's pages of each slice are dropped before the next is read, so loading holds one slice
+    # of both, not a whole vocabulary-sized matrix twice
+    REPACK_ROWS = 4096
+
+    def __init__(self, raw: np.ndarray, ggml_type: GGMLQuantizationType, out_features: int, in_features: int,
+                 arith: str | None = None, release=None):
+        """arith: "int" (the integer kernels, `engine.kernels.int_matvec`, where this CPU and the
+        type have them), "float" (the float kernels) or None: `weight_arith(ggml_type, ...)`.
+        release: called with each slice of `raw` once it is repacked (`GGUFFile.release`)."""
         from .kernels import quant_matvec
 
         self._k = quant_matvec
@@ -212,21 +321,44 @@ class QuantLinear:
             raise ValueError(f"no quantized kernel for {ggml_type.name} rows of {in_features} values")
         if raw.shape[0] != out_features:
             raise ValueError(f"{raw.shape[0]} rows of blocks for {out_features} output features")
-        self._matvec = quant_matvec.Matvec(ggml_type, raw, in_features)  # checks the row length
-        self.raw = self._matvec.raw
         self.ggml_type = ggml_type
         self.out_features, self.in_features = out_features, in_features
         self.tile_rows = max(16, self.TILE_VALUES // in_features)
+        self.arith = weight_arith(ggml_type, out_features, in_features) if arith is None else arith
+        if self.arith == "int":
+            from .kernels import int_dot, int_matvec
+
+            # every row count goes to the integer kernels (each weight block decoded once for all
+            # the rows of x, a row's result the same in any batch); `raw` is not kept: the
+            # repacked copy replaces it (the caller may drop the file's pages, see
+            # GGUFFile.release)
+            packed = np.empty(raw.shape, np.uint8)
+            for r0 in range(0, out_features, self.REPACK_ROWS):
+                part = raw[r0 : r0 + self.REPACK_ROWS]
+                packed[r0 : r0 + part.shape[0]] = int_matvec.repack(part, ggml_type)
+                if release is not None:
+                    release(part)
+            self._int = int_matvec.IntMatvec(ggml_type, raw, in_features, int_dot.kernel_isa(), packed=packed)
+            self._matvec = None
+            self.raw = None
+        else:
+            self._int = None
+            self._matvec = quant_matvec.Matvec(ggml_type, raw, in_features)  # checks the row length
+            self.raw = self._matvec.raw
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         # x (T, in) float32 → (T, out) float32
         if (type(x) is np.ndarray and x.ndim == 2 and x.dtype == np.float32 and x.flags.c_contiguous
                 and x.shape[1] == self.in_features and 0 < x.shape[0] <= self.MATVEC_MAX_ROWS):
+            if self._int is not None:
+                return self._int(x, np.empty((x.shape[0], self.out_features), dtype=np.float32))
             return self._matvec(x, np.empty((x.shape[0], self.out_features), dtype=np.float32))
         x2, lead = _as_rows(x, self.in_features)
         T = x2.shape[0]
         if T == 0:
             y = np.empty((0, self.out_features), np.float32)
+        elif self._int is not None:
+            y = self._int(np.ascontiguousarray(x2), np.empty((T, self.out_features), dtype=np.float32))
         elif T <= self.MATVEC_MAX_ROWS:
             y = self._matvec(x2, np.empty((T, self.out_features), dtype=np.float32))
         else:
@@ -272,6 +404,11 @@ class QuantLinear:
         """W[ids] (len(ids), in_features) float32, dequantizing only those rows."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         out = np.empty((ids.shape[0], self.in_features), dtype=np.float32)
+        if self._int is not None:  # the GGUF blocks of those rows, back from the repacked copy
+            if ids.size and (ids.min() < 0 or ids.max() >= self.out_features):
+                raise IndexError(f"row index out of range for {self.out_features} rows")
+            blocks = np.ascontiguousarray(self._int.rows_gguf(ids))
+            return self._k.dequantize_rows(self.ggml_type, blocks, np.arange(ids.shape[0]), out)
         return self._k.dequantize_rows(self.ggml_type, self.raw, ids, out)
 
     @property
@@ -281,7 +418,7 @@ class QuantLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.raw.nbytes
+        return self._int.packed.nbytes if self._int is not None else self.raw.nbytes
 
 
 class Embedding:
@@ -327,6 +464,7 @@ class WeightStore:
     def __init__(self, gguf: GGUFFile, backend: str | None = None):
         self.gguf = gguf
         self.loaded_bytes = 0
+        self.arith_types: dict[str, set[str]] = {}  # "int" / "float" -> the GGUF types of the matrices on it
         backend = default_backend() if backend is None else backend
         if backend not in BACKENDS:
             raise ValueError(f"weights backend {backend!r}: expected one of {', '.join(BACKENDS)}")
@@ -338,7 +476,12 @@ class WeightStore:
 
             # compile / load the kernels of the matrix types this file uses, logging the time (the
             # thread pool's own functions: Engine.load's warm-up, or the first call that uses it)
-            quant_matvec.warm_up({i.ggml_type for i in gguf.tensors.values() if len(i.shape) == 2}, pool=False)
+            matrix_types = {i.ggml_type for i in gguf.tensors.values() if len(i.shape) == 2}
+            quant_matvec.warm_up(matrix_types, pool=False)
+            from .kernels import int_dot, int_matvec
+
+            if int_dot.kernel_isa() != "float":
+                int_matvec.warm_up(matrix_types, int_dot.kernel_isa())
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -380,7 +523,9 @@ class WeightStore:
 
         if info.ggml_type == GGMLQuantizationType.F32 or not quant_matvec.supports(info.ggml_type, shape[1]):
             return None
-        lin = QuantLinear(self.gguf.raw(name), info.ggml_type, *shape)
+        # repacked for the integer kernels: the file's pages of this tensor leave the process's memory
+        lin = QuantLinear(self.gguf.raw(name), info.ggml_type, *shape, release=self.gguf.release)
+        self.arith_types.setdefault(lin.arith, set()).add(info.ggml_type.name)
         self.loaded_bytes += lin.nbytes
         return lin
 

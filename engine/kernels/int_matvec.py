@@ -495,11 +495,19 @@ class IntMatvec:
         self.chunk = max(GROUP, (CHUNK_BYTES // raw.shape[1]) // GROUP * GROUP, -(-fewest // GROUP) * GROUP)
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """x C-contiguous float32 (T, in_features) -> out (T, rows)."""
-        from .quant_matvec import run_rows
+        """x C-contiguous float32 (T, in_features) -> out (T, rows), C-contiguous."""
+        from .quant_matvec import BUF_VALUES, run_rows
 
         xw = quantize_activations(x)
-        return run_rows(self.compute, self.packed, xw, out, self.chunk, self.chunk * self.packed.shape[1] * x.shape[0])
+        # the pool shares a job of at most BUF_VALUES outputs per chunk: a long prompt goes in
+        # slices of rows of x (the kernels compute a row the same in any batch, so slicing changes
+        # no bit)
+        step = max(1, BUF_VALUES // self.chunk)
+        for t0 in range(0, x.shape[0], step):
+            t1 = min(t0 + step, x.shape[0])
+            run_rows(self.compute, self.packed, xw[t0:t1], out[t0:t1], self.chunk,
+                     self.chunk * self.packed.shape[1] * (t1 - t0))
+        return out
 
     def rows_gguf(self, rows: np.ndarray) -> np.ndarray:
         return unpack_rows(self.packed, self.ggml_type, rows)

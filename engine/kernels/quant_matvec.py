@@ -1160,6 +1160,7 @@ def _call_compute(typingctx, fn, raw_addr, n_rows, row_bytes, x_addr, T, K, out_
 
 _WORD, _DSEQ, _DESC, _STOP, _CTL_SIZE = 0, 8, 16, 40, 48  # WORD = (seq << 32) | n_chunks; desc 16..25
 _MAX_CHUNKS = 4096
+BUF_VALUES = 1 << 14  # a worker's chunk buffer (T x rows per chunk floats): the most a shared job holds
 _ST_CALLER, _ST_COMPUTING, _ST_COMMITTING, _ST_DONE = 0, 1, 2, 3
 
 
@@ -1402,7 +1403,7 @@ class _Pool:
     SPIN = 4000  # sched_yield loops (a few ms) before sleeping between polls
     POLL_US = 50  # µs per sleep while polling (longer in effect: the kernel's timer slack)
     POLLS = 1000  # sleeps (about a tenth of a second) before parking until the next job wakes it
-    BUF_VALUES = 1 << 14  # a worker's chunk buffer (T x rows per chunk floats)
+    BUF_VALUES = BUF_VALUES
     # Grace before stealing a worker's chunk: GRACE x the time the chunk should take at
     # RATE bytes/s (below what one core reads of blocks, so the estimate errs long).
     GRACE, RATE = 3.0, 4e9

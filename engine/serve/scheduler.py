@@ -49,6 +49,7 @@ from ..kv.batch import DecodeBatch, PrefillBatch
 from ..memory import release_free_heap
 from ..decoding import STOP, STOP_STRING, LogitsProcessor, TokenLogprob, TokenStream
 from ..sampling import SamplingParams
+from ..weights import blas_rows_independent, products_use_blas
 from .metrics import Metrics
 
 log = logging.getLogger("omlx.serve")
@@ -76,7 +77,11 @@ SMALL_GEMM_OUTPUTS = 2048
 
 
 def min_batched_chunk(model) -> int:
-    """The fewest tokens a sequence's prefill chunk needs to join a batch (see above)."""
+    """The fewest tokens a sequence's prefill chunk needs to join a batch (see above); more than
+    any chunk has (no prefill batching) where this BLAS rounds a row differently with the number
+    of rows (`weights.blas_rows_independent`) and some layer of the model multiplies through it."""
+    if not blas_rows_independent() and products_use_blas(model):
+        return 1 << 62
     narrowest = model.n_kv_heads * min(model.head_dim, model.value_dim)
     return max(Engine.rows_computed_alone() + 1, -(-SMALL_GEMM_OUTPUTS // narrowest))
 

@@ -1,0 +1,111 @@
+"""The integer weight kernels wired into QuantLinear (the default where this CPU has them): which
+matrices take them, that a layer computes exactly what its kernel does at every row count, that
+embedding lookups read the repacked copy right, and that a whole model's output distribution stays
+within KL 1e-5 of the float kernels' on the reference texts (issue 26's exactness bar)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
+
+from engine import weights
+from engine.engine import Engine
+from engine.kernels import int_dot, int_matvec
+from engine.weights import QuantLinear, linear_layers
+
+from .conftest import reference_npz_path
+
+INT_ISAS = [i for i in int_dot.ISA_LANES if int_dot.isa_available(i)]
+pytestmark = pytest.mark.skipif(not INT_ISAS, reason="no x86 integer instruction set on this CPU")
+
+
+def blocks(qtype, rows, cols, seed=0):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+    return np.ascontiguousarray(quantize(w, qtype)).view(np.uint8).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", list(int_matvec.INT_TYPES), ids=lambda t: t.name)
+def test_a_layer_takes_the_integer_kernels_at_every_row_count(qtype):
+    raw = blocks(qtype, 64, 256)
+    lin = QuantLinear(raw, qtype, 64, 256)
+    assert lin.arith == "int" and lin.raw is None
+    kernel = int_matvec.IntMatvec(qtype, raw, 256, int_dot.kernel_isa())
+    x = np.random.default_rng(1).standard_normal((300, 256)).astype(np.float32)
+    alone = kernel(x, np.empty((300, 64), np.float32))
+    for T in (1, 4, 16, 17, 64, 300):  # the matvec sizes, a prompt chunk, past the pool's job size
+        assert np.array_equal(lin(x[:T]).view(np.uint32), alone[:T].view(np.uint32)), T
+    assert lin(x[:3].reshape(3, 1, 256)).shape == (3, 1, 64)
+    assert lin(x[:0]).shape == (0, 64)
+    # the embedding side: rows dequantized from the repacked copy equal the file's blocks
+    ids = np.array([0, 63, 5, 5, 31])
+    want = dequantize(raw, qtype).reshape(64, 256)[ids]
+    assert np.array_equal(lin.rows(ids), want)
+    with pytest.raises(IndexError, match="out of range"):
+        lin.rows(np.array([64]))
+
+
+def test_float_arithmetic_on_request_and_for_types_without_integer_kernels(monkeypatch):
+    raw = blocks(QT.Q4_0, 32, 256)
+    assert QuantLinear(raw, QT.Q4_0, 32, 256, arith="float").raw is not None
+    monkeypatch.setenv(weights.ARITH_ENV, "float")
+    assert QuantLinear(raw, QT.Q4_0, 32, 256).arith == "float"
+    monkeypatch.setenv(weights.ARITH_ENV, "fastest")
+    with pytest.raises(ValueError, match="expected exact or float"):
+        weights.weight_arith(QT.Q4_0, 32, 256)
+    monkeypatch.delenv(weights.ARITH_ENV)
+    assert weights.weight_arith(QT.Q6_K, 32, 256) == "float"  # no integer kernel yet
+    assert weights.weight_arith(QT.Q4_0, 40, 256) == "float"  # rows not whole 16-row groups
+
+
+def _log_softmax(z):
+    z = z.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_model_output_within_kl_1e_5_of_the_float_kernels(name, smollm2_path, gemma3_path, monkeypatch):
+    path = smollm2_path if name == "smollm2-135m-instruct" else gemma3_path
+    tokens = np.load(reference_npz_path(name, "gpl-3"))["tokens"][:160]
+    at = np.arange(len(tokens))
+    logits = {}
+    for arith in ("float", "exact"):
+        monkeypatch.setenv(weights.ARITH_ENV, arith)
+        engine = Engine.load(path, kv="full")
+        ariths = {lin.arith for lin in linear_layers(engine.model) if isinstance(lin, QuantLinear)}
+        assert ariths == ({"float"} if arith == "float" else {"int", "float"} if name == "gemma3-270m" else {"int"})
+        logits[arith] = engine.model.forward(tokens, engine.new_cache(), at)
+    p, q = _log_softmax(logits["float"]), _log_softmax(logits["exact"])
+    kl = np.sum(np.exp(p) * (p - q), axis=-1)
+    assert float(kl.mean()) <= 1e-5, f"{name}: mean KL {kl.mean():.2e} vs the float kernels"
+    assert np.mean(np.argmax(p, -1) == np.argmax(q, -1)) >= 0.99
+
+
+def test_prefill_batching_follows_the_blas_and_the_layers(tmp_path, monkeypatch):
+    """The scheduler batches prefill chunks of several sequences only where a row comes out the
+    same in any batch: always on the integer kernels; through BLAS only where this BLAS keeps a
+    row's bits whatever the row count (measured once, `blas_rows_independent`)."""
+    from engine.serve.scheduler import min_batched_chunk
+
+    from .tiny_gguf import write_tiny_model
+
+    def tiny(arith):
+        monkeypatch.setenv(weights.ARITH_ENV, arith)
+        return Engine.load(write_tiny_model(tmp_path / f"tiny-{arith}.gguf", "llama", context_length=256,
+                                            weight_type=QT.Q8_0, seed=3), kv="full").model
+
+    on_int, on_blas = tiny("exact"), tiny("float")
+    assert not weights.products_use_blas(on_int) and weights.products_use_blas(on_blas)
+    for independent in (True, False):
+        monkeypatch.setattr(weights, "_blas_rows_independent", independent)
+        assert min_batched_chunk(on_int) <= 512
+        assert (min_batched_chunk(on_blas) <= 512) == independent
+    monkeypatch.setattr(weights, "_blas_rows_independent", None)  # measured again
+    w = np.random.default_rng(2).standard_normal((576, 1536)).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((300, 1536)).astype(np.float32)
+    rows_same = np.array_equal(weights._product(x[:200], w), weights._product(x, w)[:200])
+    if not rows_same:  # a row that changed with the row count: the probe must have seen it too
+        assert not weights.blas_rows_independent()
