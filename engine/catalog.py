@@ -253,6 +253,9 @@ def _run_pip(
             match = _PIP_PROGRESS.match(line)
             if match and int(match.group(2)) > 0:
                 on_fraction(int(match.group(1)) / int(match.group(2)))
+        # a cancel that came with pip's last line (a fast registry prints one progress line,
+        # 100%, and exits) still cancels: the user pressed it while the download ran
+        _check_cancel(cancel)
         returncode = proc.wait()
     finally:
         if proc.poll() is None:

