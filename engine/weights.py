@@ -93,13 +93,10 @@ def weight_kernels(gguf: GGUFFile) -> dict:
         if len(info.shape) != 2 or info.ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             continue
         by_path[weight_arith(info.ggml_type, *info.shape)].add(info.type_name)
-    isa = "float"
-    if HAVE_NUMBA and os.environ.get(ARITH_ENV, "").strip().lower() != "float":
-        from .kernels import int_dot
-
-        isa = int_dot.kernel_isa()
     from .kernels import int_dot
 
+    # the integer kernels' instruction set only when some matrix takes them (weight_arith said so)
+    isa = int_dot.kernel_isa() if by_path["int"] else "float"
     return {"isa": isa, "kernels": int_dot.describe(isa), "int": sorted(by_path["int"]),
             "float": sorted(by_path["float"])}
 
@@ -464,7 +461,6 @@ class WeightStore:
     def __init__(self, gguf: GGUFFile, backend: str | None = None):
         self.gguf = gguf
         self.loaded_bytes = 0
-        self.arith_types: dict[str, set[str]] = {}  # "int" / "float" -> the GGUF types of the matrices on it
         backend = default_backend() if backend is None else backend
         if backend not in BACKENDS:
             raise ValueError(f"weights backend {backend!r}: expected one of {', '.join(BACKENDS)}")
@@ -525,7 +521,6 @@ class WeightStore:
             return None
         # repacked for the integer kernels: the file's pages of this tensor leave the process's memory
         lin = QuantLinear(self.gguf.raw(name), info.ggml_type, *shape, release=self.gguf.release)
-        self.arith_types.setdefault(lin.arith, set()).add(info.ggml_type.name)
         self.loaded_bytes += lin.nbytes
         return lin
 
