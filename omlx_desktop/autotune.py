@@ -7,21 +7,18 @@ back to the panel. One measurement at a time; Cancel sets the request's Event.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, Signal
 
 from .protocol import Failure, KVProfileReady, MeasureKVProfile
-
-if TYPE_CHECKING:
-    from .window import MainWindow
+from .window_surface import WindowSurface
 
 
 class AutoTuneController(QObject):
     profileReady = Signal(object)      # KVProfileReady, after the panel has it
     profileFailed = Signal(object)     # Failure
 
-    def __init__(self, window: "MainWindow"):
+    def __init__(self, window: WindowSurface):
         super().__init__(window)
         self.w = window
         self.cancel: threading.Event | None = None   # the running measurement's

@@ -14,7 +14,6 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
@@ -22,10 +21,8 @@ from PySide6.QtGui import QGuiApplication
 from .chart import format_bytes
 from .protocol import SendMessage, TurnFailed, TurnFinished
 from .store import NotFound
+from .window_surface import WindowSurface
 from .worker import StopEvent
-
-if TYPE_CHECKING:
-    from .window import MainWindow
 
 STORE_FLUSH_MS = 250            # streamed text reaches the Store ~4 times a second
 
@@ -89,7 +86,7 @@ class ChatController(QObject):
     #  "updates"; on failure "kind" and "error"}
     answerFinished = Signal(object)
 
-    def __init__(self, window: "MainWindow"):
+    def __init__(self, window: WindowSurface):
         super().__init__(window)
         self.w = window
         self.turn: Turn | None = None

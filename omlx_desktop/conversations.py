@@ -6,16 +6,12 @@ from the Store and rebuilds the worker's Session from it (messages, then documen
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from PySide6.QtCore import QObject, Qt
 from PySide6.QtWidgets import QInputDialog, QListWidgetItem, QMenu, QMessageBox
 
 from .protocol import OpenConversation
 from .store import NotFound
-
-if TYPE_CHECKING:
-    from .window import MainWindow
+from .window_surface import WindowSurface
 
 NEW_TITLE = "New chat"
 TITLE_CHARS = 48            # a first message longer than this is cut for the title
@@ -37,7 +33,7 @@ def transcript_messages(messages) -> list[dict]:
 
 
 class ConversationsController(QObject):
-    def __init__(self, window: "MainWindow"):
+    def __init__(self, window: WindowSurface):
         super().__init__(window)
         self.w = window
         self.conv_id: int | None = None

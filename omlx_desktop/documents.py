@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QPlainTextEdit, QVBoxLayout
@@ -25,9 +24,7 @@ from .protocol import (
     SetDocMode, SetPinned, StoredDocument,
 )
 from .store import NotFound
-
-if TYPE_CHECKING:
-    from .window import MainWindow
+from .window_surface import WindowSurface
 
 
 DEFAULT_DOC_MODE = "auto"
@@ -63,7 +60,7 @@ class SectionPreview(QDialog):
 
 
 class DocumentsController(QObject):
-    def __init__(self, window: "MainWindow"):
+    def __init__(self, window: WindowSurface):
         super().__init__(window)
         self.w = window
         self.doc_ids: dict[str, int] = {}       # panel/worker key -> Store document id

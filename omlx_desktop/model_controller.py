@@ -32,7 +32,6 @@ import html
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QFileDialog, QMessageBox
@@ -42,10 +41,8 @@ from .protocol import (
     Configure, ConnectRemote, FetchModel, Failure, FitCheck, KVApplied, LoadModel, ModelInfo,
 )
 from .ui import APP_TITLE
+from .window_surface import WindowSurface
 from .worker import FROZEN_FETCH_MESSAGE, is_frozen
-
-if TYPE_CHECKING:
-    from .window import MainWindow
 
 
 def model_text(info: dict) -> str:
@@ -77,7 +74,7 @@ class ModelController(QObject):
     loaded = Signal(object)         # the model info dict
     failed = Signal(str)            # no model: a fetch or load failed (the message shown)
 
-    def __init__(self, window: "MainWindow"):
+    def __init__(self, window: WindowSurface):
         super().__init__(window)
         self.w = window
         self.model_info: dict | None = None

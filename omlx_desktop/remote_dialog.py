@@ -12,7 +12,6 @@ with a key asks for it again after a restart (:meth:`ask_for_key`).
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
@@ -21,15 +20,13 @@ from PySide6.QtWidgets import (
 )
 
 from .protocol import ListRemoteModels, RemoteModels
-
-if TYPE_CHECKING:
-    from .window import MainWindow
+from .window_surface import WindowSurface
 
 DEFAULT_URL = "http://127.0.0.1:8080/v1"
 
 
 class RemoteDialog(QDialog):
-    def __init__(self, window: "MainWindow"):
+    def __init__(self, window: WindowSurface):
         super().__init__(window)
         self.w = window
         self.setWindowTitle("Connect to a server")

@@ -5,13 +5,11 @@ the window are printed to stderr."""
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, QTimer
 from PySide6.QtWidgets import QApplication
 
-if TYPE_CHECKING:
-    from .window import MainWindow
+from .window_surface import WindowSurface
 
 SMOKE_PROMPT = "Say hello."
 SMOKE_MAX_TOKENS = 4
@@ -19,7 +17,7 @@ SMOKE_TIMEOUT_MS = 300_000
 
 
 class SmokeTestDriver(QObject):
-    def __init__(self, window: "MainWindow"):
+    def __init__(self, window: WindowSurface):
         super().__init__(window)
         self.w = window
         self.exit_code: int | None = None
