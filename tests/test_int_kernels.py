@@ -9,20 +9,16 @@ import re
 import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
 from engine.kernels import int_dot, int_matvec, int_reference
+
+from .weight_blocks import blocks
 
 INT_ISAS = [i for i in int_dot.ISA_LANES if int_dot.isa_available(i)]
 TYPES = list(int_matvec.INT_TYPES)
 
 pytestmark = pytest.mark.skipif(not INT_ISAS, reason="no x86 integer instruction set on this CPU")
-
-
-def blocks(qtype, rows, cols, seed=0):
-    rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.005, 0.05, (rows, 1))).astype(np.float32)
-    return np.ascontiguousarray(quantize(w, qtype)).view(np.uint8).reshape(rows, -1)
 
 
 def activations(T, K, seed=1):

@@ -11,60 +11,17 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as QT
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
 
 from engine import weights
 from engine.gguf_file import GGUFFile
 from engine.kernels import quant_matvec as qm
 
+from .weight_blocks import GGUF_QUANTIZES, random_blocks
+
 ALL_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16, QT.BF16,
              QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]
-GGUF_QUANTIZES = {QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.F16, QT.BF16}
 RTOL = 1e-5
-
-# Offsets of the float16 scale fields in a block of each type (the rest are codes / 6-bit scales).
-F16_FIELDS = {
-    QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2),
-    QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,),
-    QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.IQ4_NL: (0,), QT.IQ4_XS: (0,),
-}
-
-
-def random_f16(rng, shape) -> np.ndarray:
-    """Finite float16 values over the whole range, subnormals and signed zeros included."""
-    bits = rng.integers(0, 0x10000, size=shape, dtype=np.uint32).astype(np.uint16)
-    bits = np.where((bits & 0x7C00) == 0x7C00, bits & 0x83FF, bits)  # inf/NaN exponent -> subnormal
-    return bits.astype(np.uint16).view(np.float16)
-
-
-def random_blocks(qtype: QT, rows: int, cols: int, rng, scale_range: str = "small") -> np.ndarray:
-    """(rows, bytes) random blocks with finite float16 scale fields.
-
-    scale_range "small": scales ~0.01 (like real weights); "any": any finite float16, including
-    subnormals, zeros and large values, to exercise the float16 conversion."""
-    block, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint16).astype(np.uint8)
-    if qtype == QT.F16:
-        return random_f16(rng, (rows, cols)).view(np.uint8).reshape(rows, -1)
-    if qtype == QT.BF16:
-        if scale_range == "small":  # normal values, truncated to bfloat16
-            vals = rng.standard_normal((rows, cols)).astype(np.float32)
-            return (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
-        # any sign/mantissa, exponents 2**-60 .. 2**60 plus subnormals and zeros: products stay finite
-        b = raw.view(np.uint16)
-        exp = rng.integers(127 - 60, 127 + 60, size=b.shape).astype(np.uint16)
-        exp[rng.random(b.shape) < 0.05] = 0
-        raw.view(np.uint16)[:] = (b & 0x807F) | (exp << 7)
-        return raw
-    blocks = raw.reshape(rows, -1, size)
-    for off in F16_FIELDS[qtype]:
-        if scale_range == "small":
-            vals = (rng.uniform(0.001, 0.02, blocks.shape[:2]) * rng.choice([-1, 1], blocks.shape[:2]))
-            vals = vals.astype(np.float16)
-        else:
-            vals = random_f16(rng, blocks.shape[:2])
-        blocks[..., off : off + 2] = vals[..., None].view(np.uint8)
-    return raw
 
 
 def quantized_from_floats(qtype: QT, rows: int, cols: int, rng) -> np.ndarray:

@@ -41,7 +41,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import int_dot
-from .int_dot import IntIR, activation_words, quantize_activations
+from .int_dot import IntIR, quantize_activations
 from .vector_ir import F16, F32, I8, I32, I64, VectorIR, data_pointer, f32_pointer, prefetch_ahead, u8_pointer, vector_type
 
 log = logging.getLogger("omlx.kernels")
@@ -50,24 +50,35 @@ GROUP = 16  # weight rows per repacked group (lanes of a 512-bit vector)
 
 
 class IntType:
-    """One weight type's integer form: its GGUF block (values, bytes), the float16 fields per
-    block (offsets), where its code bytes start, how many 4-byte code vectors a block has, the
-    code kind ("nibbles" 0..15 or "bytes" int8) and the offset subtracted from each code."""
+    """One weight type's integer form: its GGUF block (values, bytes); the header fields of a
+    block, (offset, size) each, repacked as 16 rows' copies side by side (float16 scales, 6-bit
+    scale bytes); where its code bytes start and how many 4-byte code vectors a block has; the
+    code kind ("nibbles" 0..15, "bytes" int8, or a k-quant "q4_k" / "q6_k") and the offset
+    subtracted from each code."""
 
-    def __init__(self, ggml_type, values, nbytes, scale_fields, codes_at, code_words, kind, offset):
+    def __init__(self, ggml_type, values, nbytes, fields, codes_at, code_words, kind, offset=0):
         self.ggml_type = ggml_type
         self.values, self.nbytes = values, nbytes
-        self.scale_fields = scale_fields  # (d offset,) or (d offset, m offset)
+        self.fields = fields
         self.codes_at, self.code_words, self.kind, self.offset = codes_at, code_words, kind, offset
-        self.has_min = len(scale_fields) == 2
-        self.header = 32 * len(scale_fields)
+        self.has_min = kind == "nibbles" and len(fields) == 2
+        self.header = sum(GROUP * size for _, size in fields)
         self.group_block = GROUP * nbytes
+        assert self.header + 64 * code_words == self.group_block
+        # where field i starts in a repacked group block
+        self.field_at = [sum(GROUP * size for _, size in fields[:i]) for i in range(len(fields))]
 
 
 INT_TYPES = {
-    QT.Q4_0: IntType(QT.Q4_0, 32, 18, (0,), 2, 4, "nibbles", 8),
-    QT.Q4_1: IntType(QT.Q4_1, 32, 20, (0, 2), 4, 4, "nibbles", 0),
-    QT.Q8_0: IntType(QT.Q8_0, 32, 34, (0,), 2, 8, "bytes", 0),
+    QT.Q4_0: IntType(QT.Q4_0, 32, 18, ((0, 2),), 2, 4, "nibbles", 8),
+    QT.Q4_1: IntType(QT.Q4_1, 32, 20, ((0, 2), (2, 2)), 4, 4, "nibbles"),
+    QT.Q8_0: IntType(QT.Q8_0, 32, 34, ((0, 2),), 2, 8, "bytes"),
+    # Q4_K: d, dmin (float16), 12 bytes of 6-bit sub-block scales and minima, 128 nibble bytes
+    # (byte 32c + l: low nibble value 64c + l, high nibble 64c + 32 + l)
+    QT.Q4_K: IntType(QT.Q4_K, 256, 144, ((0, 2), (2, 2)) + tuple((4 + i, 1) for i in range(12)), 16, 32, "q4_k"),
+    # Q6_K: ql[128] low nibbles, qh[64] high 2-bit pairs (the codes, 48 words), 16 int8 scales of
+    # 16 values each, d (float16)
+    QT.Q6_K: IntType(QT.Q6_K, 256, 210, ((208, 2),) + tuple((192 + i, 1) for i in range(16)), 0, 48, "q6_k"),
 }
 
 
@@ -85,13 +96,13 @@ def repack(raw: np.ndarray, ggml_type) -> np.ndarray:
     """(rows, bytes) GGUF blocks -> the repacked layout, same shape (a new array)."""
     t = INT_TYPES[ggml_type]
     n_rows, row_bytes = raw.shape
-    nb = row_bytes // t.nbytes
-    blocks = raw.reshape(n_rows // GROUP, GROUP, nb, t.nbytes).transpose(0, 2, 1, 3)  # (G, nb, 16, ts)
-    out = np.empty((n_rows // GROUP, nb, t.group_block), dtype=np.uint8)
-    for i, off in enumerate(t.scale_fields):
-        out[:, :, 32 * i : 32 * i + 32] = blocks[:, :, :, off : off + 2].reshape(n_rows // GROUP, nb, 32)
-    codes = blocks[:, :, :, t.codes_at :].reshape(n_rows // GROUP, nb, GROUP, t.code_words, 4)
-    out[:, :, t.header :] = codes.transpose(0, 1, 3, 2, 4).reshape(n_rows // GROUP, nb, -1)
+    nb, G = row_bytes // t.nbytes, n_rows // GROUP
+    blocks = raw.reshape(G, GROUP, nb, t.nbytes).transpose(0, 2, 1, 3)  # (G, nb, 16, ts)
+    out = np.empty((G, nb, t.group_block), dtype=np.uint8)
+    for at, (off, size) in zip(t.field_at, t.fields):
+        out[:, :, at : at + GROUP * size] = blocks[:, :, :, off : off + size].reshape(G, nb, GROUP * size)
+    codes = blocks[:, :, :, t.codes_at : t.codes_at + 4 * t.code_words].reshape(G, nb, GROUP, t.code_words, 4)
+    out[:, :, t.header :] = codes.transpose(0, 1, 3, 2, 4).reshape(G, nb, -1)
     return out.reshape(n_rows, row_bytes)
 
 
@@ -104,11 +115,11 @@ def unpack_rows(packed: np.ndarray, ggml_type, rows: np.ndarray) -> np.ndarray:
     grp = packed.reshape(n_rows // GROUP, nb, t.group_block)[g]  # (n, nb, GB)
     out = np.empty((len(g), nb, t.nbytes), dtype=np.uint8)
     idx = np.arange(len(g))
-    for i, off in enumerate(t.scale_fields):
-        f = grp[:, :, 32 * i : 32 * i + 32].reshape(len(g), nb, GROUP, 2)
-        out[:, :, off : off + 2] = f[idx, :, r]
+    for at, (off, size) in zip(t.field_at, t.fields):
+        f = grp[:, :, at : at + GROUP * size].reshape(len(g), nb, GROUP, size)
+        out[:, :, off : off + size] = f[idx, :, r]
     codes = grp[:, :, t.header :].reshape(len(g), nb, t.code_words, GROUP, 4)
-    out[:, :, t.codes_at :] = codes[idx, :, :, r].reshape(len(g), nb, -1)
+    out[:, :, t.codes_at : t.codes_at + 4 * t.code_words] = codes[idx, :, :, r].reshape(len(g), nb, -1)
     return out.reshape(len(g), row_bytes)
 
 
@@ -217,8 +228,153 @@ def make_group_dot(t: IntType, isa: str, n: int):
     return gdot
 
 
+def _k_code_vectors(v, t: IntType, gb, lanes, half, sub):
+    """The i16-pair weight vectors of 32-value sub-block `sub` (0..7) of a k-quant super-block,
+    for rows lanes*half .. of the group at gb: [(<lanes x i32>, activation word 0..15), ...],
+    in word order (words 0..7 hold values 0..15, words 8..15 values 16..31).
+
+    Q4_K: code vector 8c + j holds nibble bytes 32c + 4j .. of 16 rows; sub-block 2c is their
+    low nibbles, 2c + 1 their high nibbles (the Q4_0 pairing, 32 values per 8 vectors).
+    Q6_K: half n = sub // 4 of the super-block has ql words 16n .. 16n + 15 and qh words
+    32 + 8n .. 32 + 8n + 7; its sub-block k = sub % 4 takes, per byte l of 32, ql[l + 32(k & 1)]'s
+    low (k < 2) or high nibble and qh[l]'s bits 2k, 2k + 1 as bits 4, 5: codes 0..63, minus 32."""
+    b = v.b
+    vi = vector_type(I32, lanes)
+    out = []
+    if t.kind == "q4_k":
+        c, hi = divmod(sub, 2)
+        shifts = (4, 12) if hi else (0, 8)
+        for j in range(8):
+            p = v.load(gb, t.header + 64 * (8 * c + j) + 4 * lanes * half, vi, align=1)
+            out.append((v.and_(v.shr(p, shifts[0]) if shifts[0] else p, 0x000F000F), 2 * j))
+            out.append((v.and_(v.shr(p, shifts[1]), 0x000F000F), 2 * j + 1))
+        return out
+    n, k = divmod(sub, 4)
+    vh = vector_type(ir.IntType(16), 2 * lanes)
+    thirty_two = ir.Constant(vh, [32] * (2 * lanes))
+    for j in range(8):
+        pl = v.load(gb, t.header + 64 * (16 * n + 8 * (k & 1) + j) + 4 * lanes * half, vi, align=1)
+        ph = v.load(gb, t.header + 64 * (32 + 8 * n + j) + 4 * lanes * half, vi, align=1)
+        low = v.and_(v.shr(pl, 4) if k >= 2 else pl, 0x0F0F0F0F)
+        shift = 4 - 2 * k  # qh bits 2k, 2k+1 of each byte -> bits 4, 5
+        high = v.shl(ph, shift) if shift > 0 else (v.shr(ph, -shift) if shift < 0 else ph)
+        code = v.or_(low, v.and_(high, 0x30303030))  # byte i: the code of value 4j + i
+        for e, word in ((0, 2 * j), (8, 2 * j + 1)):
+            pair = v.and_(v.shr(code, e) if e else code, 0x00FF00FF)
+            out.append((b.bitcast(b.sub(b.bitcast(pair, vh), thirty_two), vi), word))
+    return out
+
+
+def make_group_dot_k(t: IntType, isa: str, n: int):
+    """The k-quant form of `make_group_dot` (same intrinsic signature): a weight block is a
+    256-value super-block, 8 activation blocks of 32. Per activation block a and weight row:
+        Q4_K  blk = float32(I) * ((d * sc_a) * s_a) + (-(dmin * m_a)) * sQ_a
+        Q6_K  blk = float32(I_lo) * ((d * sc_2a) * s_a), then the same for I_hi, sc_2a+1
+    (I_lo, I_hi: the dot products of values 0..15 and 16..31; d * sc and dmin * m are exact in
+    float32), each added to the row's float32 sum in value order."""
+
+    lanes = int_dot.ISA_LANES[isa]
+    halves = GROUP // lanes
+    n_int_accs = max(1, 4 // n) if t.kind == "q4_k" else max(1, 2 // n)
+    subs = 8  # activation blocks per super-block
+
+    @intrinsic
+    def gdot(typingctx, raw, xw, y, g, t0, yoff):
+        sig = types.void(raw, xw, y, g, t0, yoff)
+
+        def codegen(context, builder, signature, args):
+            v = VectorIR(builder)
+            ii = IntIR(builder, isa)
+            vf, vi = vector_type(F32, lanes), vector_type(I32, lanes)
+            vb = vector_type(I8, lanes)
+            rarr = context.make_array(signature.args[0])(context, builder, args[0])
+            row_bytes = cgutils.unpack_tuple(builder, rarr.shape, 2)[1]
+            rp = data_pointer(context, builder, signature.args[0], args[0])
+            xarr = context.make_array(signature.args[1])(context, builder, args[1])
+            words = cgutils.unpack_tuple(builder, xarr.shape, 2)[1]
+            xp = data_pointer(context, builder, signature.args[1], args[1])
+            yarr = context.make_array(signature.args[2])(context, builder, args[2])
+            ycols = cgutils.unpack_tuple(builder, yarr.shape, 2)[1]
+            yp = data_pointer(context, builder, signature.args[2], args[2])
+            gi, t0i, yoffi = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 4, 5))
+            c64 = lambda k: ir.Constant(I64, k)  # noqa: E731
+            nb = builder.sdiv(row_bytes, c64(t.nbytes))
+            na = builder.mul(nb, c64(subs))  # activation blocks per x row
+            h_words = builder.mul(na, c64(16))
+            group_base = v.gep(rp, builder.mul(builder.mul(gi, c64(GROUP)), row_bytes))
+            x_rows = [v.gep(xp, builder.mul(builder.add(t0i, c64(i)), builder.mul(words, c64(4)))) for i in range(n)]
+            zero_f = ir.Constant(vf, [0.0] * lanes)
+            zero_i = ir.Constant(vi, [0] * lanes)
+            faccs = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(n)] for _ in range(halves)]
+
+            def int_dot_sum(xc, codes):
+                accs = [zero_i] * n_int_accs
+                for k, (w, word) in enumerate(codes):
+                    a = v.splat(v.load(xc, 4 * word, I32, align=4), lanes)
+                    accs[k % n_int_accs] = ii.dot2(accs[k % n_int_accs], w, a)
+                total = accs[0]
+                for extra in accs[1:]:
+                    total = builder.add(total, extra)
+                return total
+
+            def scale_byte(gb, i, h, signed):
+                raw8 = v.load(gb, t.field_at[len(t.fields) - (12 if t.kind == "q4_k" else 16) + i] + lanes * h, vb, align=1)
+                return builder.sext(raw8, vi) if signed else builder.zext(raw8, vi)
+
+            with cgutils.for_range(builder, nb) as loop:
+                bi = loop.index
+                gb = v.gep(group_base, builder.mul(bi, c64(t.group_block)))
+                prefetch_ahead(builder, gb)
+                for h in range(halves):
+                    d = builder.fpext(v.load(gb, 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
+                    if t.kind == "q4_k":
+                        dmin = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
+                        col = [scale_byte(gb, i, h, False) for i in range(12)]
+                    for sub in range(subs):
+                        a = builder.add(builder.mul(bi, c64(subs)), c64(sub))
+                        code_off = builder.mul(a, c64(64))
+                        s_off = builder.mul(builder.add(h_words, a), c64(4))
+                        x_scale = [v.splat(v.load(v.gep(xr, s_off), 0, F32, align=4), lanes) for xr in x_rows]
+                        codes = _k_code_vectors(v, t, gb, lanes, h, sub)
+                        if t.kind == "q4_k":
+                            # get_scale_min_k4: 6-bit scale and minimum of sub-block `sub`
+                            if sub < 4:
+                                sc, mn = v.and_(col[sub], 63), v.and_(col[sub + 4], 63)
+                            else:
+                                sc = v.or_(v.and_(col[sub + 4], 15), v.shl(v.shr(col[sub - 4], 6), 4))
+                                mn = v.or_(v.shr(col[sub + 4], 4), v.shl(v.shr(col[sub], 6), 4))
+                            dsc = builder.fmul(d, builder.sitofp(sc, vf))
+                            dmn = builder.fmul(dmin, builder.sitofp(mn, vf))
+                            sq_off = builder.mul(builder.add(builder.add(h_words, builder.mul(na, c64(2))), a), c64(4))
+                            x_ssum = [v.splat(v.load(v.gep(xr, sq_off), 0, F32, align=4), lanes) for xr in x_rows]
+                            for i in range(n):
+                                total = int_dot_sum(v.gep(x_rows[i], code_off), codes)
+                                blk = builder.fmul(builder.sitofp(total, vf), builder.fmul(dsc, x_scale[i]))
+                                blk = builder.fsub(blk, builder.fmul(dmn, x_ssum[i]))
+                                builder.store(builder.fadd(builder.load(faccs[h][i]), blk), faccs[h][i])
+                        else:
+                            half_scales = [builder.fmul(d, builder.sitofp(scale_byte(gb, 2 * sub + e, h, True), vf))
+                                           for e in (0, 1)]
+                            for i in range(n):
+                                xc = v.gep(x_rows[i], code_off)
+                                for e in (0, 1):
+                                    total = int_dot_sum(xc, codes[8 * e : 8 * e + 8])
+                                    blk = builder.fmul(builder.sitofp(total, vf), builder.fmul(half_scales[e], x_scale[i]))
+                                    builder.store(builder.fadd(builder.load(faccs[h][i]), blk), faccs[h][i])
+            col0 = builder.sub(builder.mul(gi, c64(GROUP)), yoffi)
+            for i in range(n):
+                yrow = v.gep(yp, builder.mul(builder.add(t0i, c64(i)), builder.mul(ycols, c64(4))))
+                for h in range(halves):
+                    v.store(builder.load(faccs[h][i]), yrow, builder.mul(builder.add(col0, c64(lanes * h)), c64(4)))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return gdot
+
+
 # One intrinsic per (type, instruction set, rows of x at once)
-_GDOT = {(tt, isa, n): make_group_dot(INT_TYPES[tt], isa, n)
+_GDOT = {(tt, isa, n): (make_group_dot_k if INT_TYPES[tt].values == 256 else make_group_dot)(INT_TYPES[tt], isa, n)
          for tt in INT_TYPES for isa in int_dot.ISA_LANES for n in (1, 2, 4)}
 
 # Rows of x per pass over a group's blocks (each block's codes decoded once for them)
@@ -239,6 +395,12 @@ _g_q4_1_avx2_1, _g_q4_1_avx2_2, _g_q4_1_avx2_4 = (_GDOT[QT.Q4_1, "avx2", n] for 
 _g_q8_0_512_1, _g_q8_0_512_2, _g_q8_0_512_4 = (_GDOT[QT.Q8_0, "avx512vnni", n] for n in (1, 2, 4))
 _g_q8_0_256_1, _g_q8_0_256_2, _g_q8_0_256_4 = (_GDOT[QT.Q8_0, "avxvnni", n] for n in (1, 2, 4))
 _g_q8_0_avx2_1, _g_q8_0_avx2_2, _g_q8_0_avx2_4 = (_GDOT[QT.Q8_0, "avx2", n] for n in (1, 2, 4))
+_g_q4_k_512_1, _g_q4_k_512_2, _g_q4_k_512_4 = (_GDOT[QT.Q4_K, "avx512vnni", n] for n in (1, 2, 4))
+_g_q4_k_256_1, _g_q4_k_256_2, _g_q4_k_256_4 = (_GDOT[QT.Q4_K, "avxvnni", n] for n in (1, 2, 4))
+_g_q4_k_avx2_1, _g_q4_k_avx2_2, _g_q4_k_avx2_4 = (_GDOT[QT.Q4_K, "avx2", n] for n in (1, 2, 4))
+_g_q6_k_512_1, _g_q6_k_512_2, _g_q6_k_512_4 = (_GDOT[QT.Q6_K, "avx512vnni", n] for n in (1, 2, 4))
+_g_q6_k_256_1, _g_q6_k_256_2, _g_q6_k_256_4 = (_GDOT[QT.Q6_K, "avxvnni", n] for n in (1, 2, 4))
+_g_q6_k_avx2_1, _g_q6_k_avx2_2, _g_q6_k_avx2_4 = (_GDOT[QT.Q6_K, "avx2", n] for n in (1, 2, 4))
 
 
 @njit(nogil=True, cache=True)
@@ -394,6 +556,108 @@ def _irows_q8_0_avx2(raw, xw, y, r0, r1, yoff):
                 t += 1
 
 
+@njit(nogil=True, cache=True)
+def _irows_q4_k_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q4_k_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q4_k_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q4_k_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q4_k_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q4_k_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q4_k_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q4_k_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q4_k_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q4_k_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q4_k_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q4_k_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q6_k_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q6_k_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q6_k_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q6_k_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q6_k_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q6_k_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q6_k_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q6_k_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q6_k_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q6_k_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q6_k_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q6_k_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
 # The pool's compute functions (the signature of quant_matvec's, see `quant_matvec.run_rows`):
 # x is the quantized activations (T, words), rows are weight rows (multiples of 16 per chunk).
 
@@ -442,17 +706,52 @@ def _c_q8_0_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, 
                      carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
+def _c_q4_k_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q4_k_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q4_k_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q4_k_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q4_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q4_k_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q6_k_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q6_k_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q6_k_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q6_k_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q6_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q6_k_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
 _COMPUTE_PY = {
     (QT.Q4_0, "avx512vnni"): _c_q4_0_512, (QT.Q4_0, "avxvnni"): _c_q4_0_256, (QT.Q4_0, "avx2"): _c_q4_0_avx2,
     (QT.Q4_1, "avx512vnni"): _c_q4_1_512, (QT.Q4_1, "avxvnni"): _c_q4_1_256, (QT.Q4_1, "avx2"): _c_q4_1_avx2,
     (QT.Q8_0, "avx512vnni"): _c_q8_0_512, (QT.Q8_0, "avxvnni"): _c_q8_0_256, (QT.Q8_0, "avx2"): _c_q8_0_avx2,
+    (QT.Q4_K, "avx512vnni"): _c_q4_k_512, (QT.Q4_K, "avxvnni"): _c_q4_k_256, (QT.Q4_K, "avx2"): _c_q4_k_avx2,
+    (QT.Q6_K, "avx512vnni"): _c_q6_k_512, (QT.Q6_K, "avxvnni"): _c_q6_k_256, (QT.Q6_K, "avx2"): _c_q6_k_avx2,
 }
 _ROWS = {
     (QT.Q4_0, "avx512vnni"): _irows_q4_0_512, (QT.Q4_0, "avxvnni"): _irows_q4_0_256,
     (QT.Q4_0, "avx2"): _irows_q4_0_avx2, (QT.Q4_1, "avx512vnni"): _irows_q4_1_512,
     (QT.Q4_1, "avxvnni"): _irows_q4_1_256, (QT.Q4_1, "avx2"): _irows_q4_1_avx2,
     (QT.Q8_0, "avx512vnni"): _irows_q8_0_512, (QT.Q8_0, "avxvnni"): _irows_q8_0_256,
-    (QT.Q8_0, "avx2"): _irows_q8_0_avx2,
+    (QT.Q8_0, "avx2"): _irows_q8_0_avx2, (QT.Q4_K, "avx512vnni"): _irows_q4_k_512,
+    (QT.Q4_K, "avxvnni"): _irows_q4_k_256, (QT.Q4_K, "avx2"): _irows_q4_k_avx2,
+    (QT.Q6_K, "avx512vnni"): _irows_q6_k_512, (QT.Q6_K, "avxvnni"): _irows_q6_k_256,
+    (QT.Q6_K, "avx2"): _irows_q6_k_avx2,
 }
 _cfuncs: dict = {}
 _cfunc_lock = threading.Lock()
@@ -526,8 +825,9 @@ def warm_up(ggml_types, isa: str) -> float:
     quantize_activations(x)
     for t in todo:
         it = INT_TYPES[t]
-        raw = np.zeros((GROUP, 64 // it.values * it.nbytes), np.uint8)
-        IntMatvec(t, raw, 64, isa)(x, np.empty((1, GROUP), np.float32))
+        k = max(64, it.values)
+        raw = np.zeros((GROUP, k // it.values * it.nbytes), np.uint8)
+        IntMatvec(t, raw, k, isa)(x if k == 64 else np.zeros((1, k), np.float32), np.empty((1, GROUP), np.float32))
         _warm.add((t, isa))
     seconds = time.perf_counter() - t0
     log.info("integer kernels (%s) for %s ready in %.2f s", isa, ", ".join(t.name for t in todo), seconds)

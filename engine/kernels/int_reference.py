@@ -28,18 +28,43 @@ def quantize_activations(x: np.ndarray):
     return q.reshape(T, K), s, Q, sQ
 
 
+def _q4_k_scale_min(q: np.ndarray):
+    """(rows, nb, 12) packed bytes -> (scales, minima) (rows, nb, 8) int64 (ggml's get_scale_min_k4)."""
+    q = q.astype(np.int64)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
 def weight_codes(raw: np.ndarray, ggml_type):
-    """GGUF rows (rows, bytes) -> (integer codes (rows, K) int64, d (rows, nb) float32,
-    m (rows, nb) float32 or None, offset) of the types the integer kernels read."""
+    """GGUF rows (rows, bytes) -> (integer codes (rows, K) int64, d (rows, K / sub) float32,
+    m (rows, K / sub) float32 or None, offset): codes times d (minus offset) plus m per
+    sub-block of `sub` = K / d.shape[1] values (32; Q6_K 16), as the integer kernels read them."""
     rows = raw.shape[0]
+    f16 = lambda a: a.copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
     if ggml_type == QT.Q8_0:
         b = raw.reshape(rows, -1, 34)
-        d = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        return b[:, :, 2:].view(np.int8).astype(np.int64).reshape(rows, -1), d, None, 0
+        return b[:, :, 2:].view(np.int8).astype(np.int64).reshape(rows, -1), f16(b[:, :, 0:2]), None, 0
+    if ggml_type == QT.Q4_K:
+        b = raw.reshape(rows, -1, 144)
+        sc, mn = _q4_k_scale_min(b[:, :, 4:16])
+        d = (f16(b[:, :, 0:2])[..., None] * sc.astype(np.float32)).astype(np.float32)  # exact
+        m = -(f16(b[:, :, 2:4])[..., None] * mn.astype(np.float32)).astype(np.float32)
+        qs = b[:, :, 16:].astype(np.int64).reshape(rows, -1, 4, 32)  # (rows, nb, chunk c, byte l)
+        codes = np.stack([qs & 15, qs >> 4], axis=3)  # value 64c + 32h + l
+        return codes.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1), 0
+    if ggml_type == QT.Q6_K:
+        b = raw.reshape(rows, -1, 210)
+        ql = b[:, :, 0:128].astype(np.int64).reshape(rows, -1, 2, 2, 32)  # (.., half n, ql part, l)
+        qh = b[:, :, 128:192].astype(np.int64).reshape(rows, -1, 2, 1, 32)
+        low = np.concatenate([ql & 15, ql >> 4], axis=3)  # (.., n, k = 0..3, l): ql[l + 32 (k & 1)] nibble k >> 1
+        codes = low | (((qh >> (2 * np.arange(4)[:, None])) & 3) << 4)
+        d = (f16(b[:, :, 208:210])[..., None] * b[:, :, 192:208].view(np.int8).astype(np.float32)).astype(np.float32)
+        return codes.reshape(rows, -1) - 32, d.reshape(rows, -1), None, 0
     size, codes_at = {QT.Q4_0: (18, 2), QT.Q4_1: (20, 4)}[ggml_type]
     b = raw.reshape(rows, -1, size)
-    d = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if ggml_type == QT.Q4_1 else None
+    d = f16(b[:, :, 0:2])
+    m = f16(b[:, :, 2:4]) if ggml_type == QT.Q4_1 else None
     nib = b[:, :, codes_at:].astype(np.int64)
     codes = np.concatenate([nib & 15, nib >> 4], axis=-1).reshape(rows, -1)
     return codes, d, m, (8 if ggml_type == QT.Q4_0 else 0)
@@ -50,15 +75,16 @@ def matvec(raw: np.ndarray, ggml_type, x: np.ndarray) -> np.ndarray:
     q, s, Q, sQ = quantize_activations(np.ascontiguousarray(x, dtype=np.float32))
     c, d, m, off = weight_codes(raw, ggml_type)
     T, K = q.shape
-    nb = K // ACT_BLOCK
-    qb = q.reshape(T, nb, ACT_BLOCK)
-    cb = c.reshape(c.shape[0], nb, ACT_BLOCK)
-    I = np.einsum("tbk,rbk->trb", qb, cb)  # exact (int64)
-    I = I - off * Q[:, None, :]
+    nsub = d.shape[1]
+    sub = K // nsub  # values per weight scale: 32, or 16 (Q6_K: two per activation block)
+    per = ACT_BLOCK // sub
+    I = np.einsum("tbk,rbk->trb", q.reshape(T, nsub, sub), c.reshape(c.shape[0], nsub, sub))  # exact (int64)
+    if off:  # (the offset types have sub = 32)
+        I = I - off * Q[:, None, :]
     assert np.abs(I).max(initial=0) < 2**31  # the kernels' i32 lanes
     y = np.zeros((T, c.shape[0]), dtype=np.float32)
-    for b in range(nb):
-        f = (d[None, :, b] * s[:, None, b]).astype(np.float32)
+    for b in range(nsub):
+        f = (d[None, :, b] * s[:, None, b // per]).astype(np.float32)
         blk = (I[:, :, b].astype(np.float32) * f).astype(np.float32)
         if m is not None:
             blk = (blk + (m[None, :, b] * sQ[:, None, b]).astype(np.float32)).astype(np.float32)
