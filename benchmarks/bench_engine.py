@@ -9,6 +9,8 @@ Cases (model, context, our KV, llama.cpp's KV):
     smollm2-4096      SmolLM2, 4,096 tokens, 16-bit KV          vs llama.cpp f16
     smollm2-4096-k4v4 SmolLM2, 4,096 tokens, K4V4               vs llama.cpp q4_0/q4_0 (flash attention)
     gemma3-512        Gemma3, 512 tokens, 16-bit KV             vs llama.cpp f16
+    1b-q4_k_m         Llama-3.2-1B shape (below), Q4_K_M mix (Q4_K, Q6_K for attn_v and ffn_down)
+    3b-q4_k_m         3B shape (below), Q4_K_M mix
     1b-q4_0, 1b-q8_0  Llama-3.2-1B shape (2048 x 16 layers, 32/8 heads, FFN 8192), 512 tokens, 16-bit
                       KV vs llama.cpp f16; Q4_0 / Q8_0 weights
     3b-q4_0, 3b-q8_0  3B shape (3072 x 28 layers, 24/8 heads, FFN 8192), likewise
@@ -65,6 +67,8 @@ from engine.engine import Engine  # noqa: E402
 from bench_common import prefill_and_decode, prompt_ids  # noqa: E402  (benchmarks/, the script's folder)
 
 CASES = {  # name -> (catalog model, context, our KV spec, llama.cpp KV type)
+    "1b-q4_k_m": ("synthetic:speed-1b-q4_k_m", 512, "full", "f16"),  # what users download: first
+    "3b-q4_k_m": ("synthetic:speed-3b-q4_k_m", 512, "full", "f16"),
     "smollm2-512": ("smollm2-135m-instruct", 512, "full", "f16"),
     "smollm2-4096": ("smollm2-135m-instruct", 4096, "full", "f16"),
     "smollm2-4096-k4v4": ("smollm2-135m-instruct", 4096, "k4v4", "q4_0"),

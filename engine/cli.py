@@ -8,8 +8,10 @@ Progress and logs go to stderr. Commands that load a model first estimate its me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -543,15 +545,20 @@ def cmd_eval_kv(args) -> int:
         specs += per_layer_specs(parse_kv(specs[0] if specs else None), engine.model.n_layers)
     if not specs:
         specs = [PRESETS[name] for name in ("high-precision", "balanced", "memory-saver")]
+    if args.arith != "exact" and not any(parse_kv(s) == parse_kv("full") for s in specs):
+        specs.insert(0, "full")  # the arithmetic's own cost, beside each spec's
     report = _progress_printer()
     if args.derived:
+        if args.arith != "exact":
+            raise CLIError("--derived measures in exact arithmetic: leave out --arith")
         return _eval_derived(engine, ids[: args.n_tokens + 1], specs, args, report)
-    results = evaluate_kv(engine, ids[: args.n_tokens + 1], specs, progress=report)
+    results = evaluate_kv(engine, ids[: args.n_tokens + 1], specs, progress=report, arith=args.arith)
     _end_progress()
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=2))
         return 0
-    print(f"{engine.name}: {args.n_tokens:,} tokens of {Path(args.text_file).name}, vs 16-bit KV")
+    against = "16-bit KV" if args.arith == "exact" else f"16-bit KV in exact arithmetic, specs in {args.arith}"
+    print(f"{engine.name}: {args.n_tokens:,} tokens of {Path(args.text_file).name}, vs {against}")
     print(f"{'spec':28s} {'mean KL':>9s} {'top-1':>7s} {'ppl':>8s} {'KV bytes':>12s}")
     for r in results:
         print(f"{r.spec:28s} {r.mean_kl:9.5f} {r.top1_agreement:7.2%} {r.perplexity:8.3f} {_fmt_bytes(r.kv_bytes):>12s}")
@@ -655,6 +662,39 @@ def _kv_arg(text: str) -> str:
     return text
 
 
+def _arith_arg(text: str) -> str:
+    from .weights import check_arith
+
+    try:
+        return check_arith(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+
+
+@contextlib.contextmanager
+def _arith_environment(mode: str):
+    """OMLX_ARITH=mode while a command runs (the model reads it when it loads:
+    weights.arith_mode), restored afterwards (main() may run in a caller's process)."""
+    from .weights import ARITH_ENV
+
+    before = os.environ.get(ARITH_ENV)
+    os.environ[ARITH_ENV] = mode
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ARITH_ENV, None)
+        else:
+            os.environ[ARITH_ENV] = before
+
+
+def _add_arith(p, *, modes: str = "exact, fast or float") -> None:
+    p.add_argument("--arith", type=_arith_arg, metavar="MODE",
+                   help=f"weight arithmetic, {modes}: exact (default) keeps the reference accuracy, fast "
+                        "takes int8 activations as llama.cpp does (faster prefill; its cost: omlx eval-kv "
+                        "--arith fast), float the float kernels (OMLX_ARITH sets the default)")
+
+
 def _kv_config_arg(path: str) -> str:
     """--kv-config FILE: the file's KV setting as its canonical spec, the string --kv takes."""
     try:
@@ -743,6 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_kv(p, "full")
     _add_force(p)
+    _add_arith(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("logprobs", help="teacher-forced log-probabilities in the reference .npz format")
@@ -752,6 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     _add_kv(p, "full")
     _add_force(p)
+    _add_arith(p)
     p.set_defaults(func=cmd_logprobs)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
@@ -761,6 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_kv(p, None)
     _add_force(p)
+    _add_arith(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("ask", help="questions in turn about pinned documents, with per-question stats")
@@ -773,6 +816,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_kv(p, None)
     _add_force(p)
+    _add_arith(p)
     p.set_defaults(func=cmd_ask)
 
     p = sub.add_parser("info", help="architecture, sizes, quant types, KV bytes per token, will it fit")
@@ -780,6 +824,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--ctx", type=int, help="context for the memory estimate (default: the model's)")
     _add_kv(p, None)
+    _add_arith(p)
     p.set_defaults(func=cmd_info)
 
     for name, func, help_text in (
@@ -815,6 +860,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qa-sizes", metavar="X,Y", help="with --qa: document sizes as multiples of the "
                    "context, ctx for a context-sized one read whole (default ctx,0.5,1,4,16)")
     _add_force(p)
+    _add_arith(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server (chat, completions, models, metrics) "
@@ -836,6 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "running streams flowing while a long prompt is read)")
     _add_kv(p, None)
     _add_force(p)
+    _add_arith(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("kv-tune", help="per-layer K and V widths chosen from measured sensitivity for a byte budget")
@@ -854,6 +901,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: spec, kv_bytes_per_token, predicted_kl, measured_kl, ...")
     _add_force(p)
+    _add_arith(p)
     p.set_defaults(func=cmd_kv_tune)
 
     p = sub.add_parser("eval-kv", help="KL divergence, top-1 agreement and perplexity of KV specs vs 16-bit KV")
@@ -869,6 +917,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-tokens", type=int, help="tokens derived from the master (default 3/4 of --n-tokens)")
     p.add_argument("--json", action="store_true")
     _add_force(p)
+    p.add_argument("--arith", type=_arith_arg, metavar="MODE", default="exact",
+                   help="the arithmetic the specs are measured in, exact (default) or fast: with fast, "
+                        "the baseline stays 16-bit KV in exact arithmetic and a first row '16-bit KV' "
+                        "gives the arithmetic's own cost")
     p.set_defaults(func=cmd_eval_kv)
     return parser
 
@@ -883,6 +935,9 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
     try:
+        if getattr(args, "arith", None) and args.func is not cmd_eval_kv:
+            with _arith_environment(args.arith):
+                return args.func(args) or 0
         return args.func(args) or 0
     except (OmlxError, CLIError, ValueError, OSError) as exc:
         kind, message = describe(exc)

@@ -27,7 +27,7 @@ from .decoding import STOP, TokenStream
 from .speculate import SPECULATE_MODES, PromptLookup
 from .sampling import SamplingParams, log_softmax  # noqa: F401  (log_softmax re-exported: its old home)
 from .tokenizer import Tokenizer, TokenizerError
-from .weights import DenseLinear, QuantLinear
+from .weights import ARITH_ENV, DenseLinear, QuantLinear, arith_mode, check_arith
 from .warmup import start_warm_up
 
 log = logging.getLogger("omlx.engine")
@@ -57,6 +57,7 @@ class GenerationStats:
     drafted_tokens: int = 0  # speculative decoding: tokens drafted by prompt lookup
     accepted_tokens: int = 0  # of those, the ones the model agreed with (kept without a step of their own)
     pinned_tokens: int = 0  # prompt tokens of pinned documents (and system prompt) held pinned
+    arith: str = "exact"  # the weight arithmetic the turn ran in (weights.ARITH_MODES)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -133,6 +134,9 @@ class Engine:
         self._master = None  # the master layout's PrefixCache (kv.requantize), when not _prefix
         self._prefix_lock = threading.Lock()
         self._model_id: str | None = None
+        # the weight products' arithmetic (weights.ARITH_MODES): "float" when the file was loaded
+        # with OMLX_ARITH=float or no matrix has integer kernels, else "exact" or "fast"
+        self.arith = "float" if arith_mode() == "float" or not self._int_layers() else "exact"
 
     @classmethod
     def load(cls, path: str | os.PathLike, progress: Callable[[str, float], None] | None = None,
@@ -159,6 +163,8 @@ class Engine:
         if progress:
             progress("ready", 1.0)
         engine = cls(gguf, model, tokenizer, kv)
+        if arith_mode() == "fast":
+            engine.set_arith("fast")
         release_free_heap()  # building a large vocabulary's tokenizer leaves tens of MiB free
         log.info("loaded %s (%s, %d layers) in %.1f s", engine.name, model.architecture, model.n_layers,
                  time.perf_counter() - t0)
@@ -171,6 +177,41 @@ class Engine:
         config.per_layer(self.model.n_layers)
         self.kv_config = config
         self.log_kv_scheme()
+
+    def _int_layers(self) -> list:
+        from .weights import QuantLinear, linear_layers
+
+        return [lin for lin in linear_layers(self.model) if isinstance(lin, QuantLinear) and lin.arith == "int"]
+
+    def set_arith(self, mode: str) -> None:
+        """Switch the weight products between "exact" and "fast" (int8 activations, see
+        weights.ARITH_MODES) for every step from now on: the repacked weights are the same, so
+        this costs nothing (the fast kernels compile on their first use). "float" is chosen at
+        load (OMLX_ARITH=float); a model loaded that way, or with no matrix on the integer
+        kernels, stays "float" and any other mode is a SettingsError."""
+        mode = check_arith(mode)
+        layers = self._int_layers()
+        if mode == "float" or not layers:
+            if mode == self.arith:
+                return
+            if mode == "float":
+                raise SettingsError(f"float arithmetic is chosen when a model loads (--arith float or "
+                                    f"{ARITH_ENV}=float); {self.name} runs {self.arith} arithmetic")
+            why = (f"it was loaded with {ARITH_ENV}=float" if arith_mode() == "float"
+                   else "no matrix of it has integer kernels on this CPU")
+            raise SettingsError(f"{self.name}: {mode} arithmetic needs the integer kernels, and {why}")
+        for lin in layers:
+            lin.fast = mode == "fast"
+        if mode != self.arith:
+            log.info("weight arithmetic: %s", mode)
+        self.arith = mode
+
+    @property
+    def compute_id(self) -> str:
+        """What KV blocks computed by this engine depend on: the model file, and the arithmetic
+        when it is not the exact kind (fast-mode blocks never mix with exact ones in a prefix
+        cache or on disk)."""
+        return self.model_id if self.arith != "fast" else f"{self.model_id}+fast"
 
     @property
     def model_id(self) -> str:
@@ -187,11 +228,12 @@ class Engine:
         from .kv.prefix import PrefixCache, PrefixDiskStore
 
         with self._prefix_lock:  # two threads must never each make their own
-            if self._prefix is None or self._prefix.config != self.kv_config:
+            if self._prefix is None or self._prefix.config != self.kv_config \
+                    or self._prefix.model_id != self.compute_id:
                 if self._prefix is not None:
                     self._prefix.clear()
                 disk = PrefixDiskStore() if self.disk_cache else None
-                self._prefix = PrefixCache(self.model, self.kv_config, model_id=self.model_id,
+                self._prefix = PrefixCache(self.model, self.kv_config, model_id=self.compute_id,
                                            capacity_tokens=self.prefix_capacity_tokens, disk=disk)
                 self._prefix.master = self._master_for(self._prefix)
             return self._prefix
@@ -207,8 +249,8 @@ class Engine:
                 self._master = None
             return None
         if self._master is None or self._master.config != cache.master_config \
-                or (self._master.disk is None) != (cache.disk is None):
-            self._master = PrefixCache(self.model, cache.master_config, model_id=self.model_id,
+                or (self._master.disk is None) != (cache.disk is None) or self._master.model_id != cache.model_id:
+            self._master = PrefixCache(self.model, cache.master_config, model_id=cache.model_id,
                                        capacity_tokens=self.prefix_capacity_tokens, disk=cache.disk)
         return self._master
 
@@ -449,7 +491,7 @@ class Engine:
     def _run(self, prompt_ids, max_tokens, sampling, stop, cache, cancel, prefill_progress, holder,
              drafter=None):
         peak = PeakRSS()
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        stats = GenerationStats(prompt_tokens=len(prompt_ids), arith=self.arith)
         t_start = time.perf_counter()
         dropped_before = cache.dropped_tokens
         limit = self._limit(cache)

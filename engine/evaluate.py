@@ -25,6 +25,7 @@ class KVQuality:
     top1_agreement: float  # fraction of positions whose argmax matches the 16-bit run
     perplexity: float  # of the text's next tokens under this cache
     kv_bytes: int  # bytes the cache allocated for the evaluated tokens
+    arith: str = "exact"  # the weight arithmetic it ran in (the baseline: exact, 16-bit KV)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -38,16 +39,22 @@ def hidden_states(model, tokens: np.ndarray, kv, chunk: int = 512) -> tuple[np.n
     return np.concatenate(parts), cache.nbytes
 
 
-def _scores(model, h_ref: np.ndarray, h: np.ndarray, targets: np.ndarray) -> tuple[float, float, float]:
+def _scores(model, h_ref: np.ndarray, h: np.ndarray, targets: np.ndarray,
+            arith: Callable[[str], None] | None = None) -> tuple[float, float, float]:
     """Mean KL(p_ref ‖ p), top-1 agreement and perplexity over the positions of `h_ref` and `h`
-    ((n, dim) hidden states of the same n positions), `targets` (n,) their next tokens."""
+    ((n, dim) hidden states of the same n positions), `targets` (n,) their next tokens. arith:
+    called with "ref" and "test" before each side's output projection (the arithmetic each ran in)."""
     n = len(h)
     kl = np.empty(n)
     agree = np.empty(n, bool)
     nll = np.empty(n)
     for r0 in range(0, n, _ROWS):
         r1 = min(n, r0 + _ROWS)
+        if arith:
+            arith("ref")
         lp_ref = log_softmax(model.output(h_ref[r0:r1]))
+        if arith:
+            arith("test")
         lp = log_softmax(model.output(h[r0:r1]))
         kl[r0:r1] = np.sum(np.exp(lp_ref) * (lp_ref - lp), axis=-1)
         agree[r0:r1] = lp_ref.argmax(-1) == lp.argmax(-1)
@@ -56,25 +63,45 @@ def _scores(model, h_ref: np.ndarray, h: np.ndarray, targets: np.ndarray) -> tup
 
 
 def evaluate_kv(engine, tokens: Sequence[int], specs: Sequence[str | KVConfig],
-                progress: Callable[[str, float], None] | None = None) -> list[KVQuality]:
+                progress: Callable[[str, float], None] | None = None, arith: str = "exact") -> list[KVQuality]:
     """Mean KL, top-1 agreement and perplexity of each spec against the 16-bit cache.
 
     Args:
         tokens: (N+1,) ids: positions 0..N-1 predict tokens 1..N.
+        arith: the weight arithmetic the specs run in ("exact" or "fast", Engine.set_arith); the
+            baseline is always 16-bit KV in exact arithmetic, so with "fast" a spec's figures are
+            the cost of both, and the 16-bit spec's the arithmetic's alone. The engine's own
+            arithmetic is restored afterwards.
     """
     model = engine.model
     tokens = np.asarray(tokens, dtype=np.int64)
     inputs, targets = tokens[:-1], tokens[1:]
-    if progress:
-        progress(f"{BASELINE_SPEC} (baseline)", 0.0)
-    h_ref, _ = hidden_states(model, inputs, BASELINE_SPEC)
-    results = []
-    for i, spec in enumerate(specs):
-        config = parse_kv(spec) if isinstance(spec, str) else spec
+    before = engine.arith
+    switching = arith != "exact"  # the default measures in the engine's own arithmetic
+
+    def use(side: str) -> None:
+        engine.set_arith("exact" if side == "ref" else arith)
+
+    try:
+        if switching:
+            use("test")  # a mode this engine cannot run fails here, before any work
+            use("ref")
         if progress:
-            progress(str(spec), (i + 1) / (len(specs) + 1))
-        h, kv_bytes = hidden_states(model, inputs, config)
-        results.append(KVQuality(str(spec), *_scores(model, h_ref, h, targets), int(kv_bytes)))
+            progress(f"{BASELINE_SPEC} (baseline)", 0.0)
+        h_ref, _ = hidden_states(model, inputs, BASELINE_SPEC)
+        results = []
+        for i, spec in enumerate(specs):
+            config = parse_kv(spec) if isinstance(spec, str) else spec
+            if progress:
+                progress(str(spec), (i + 1) / (len(specs) + 1))
+            if switching:
+                use("test")
+            h, kv_bytes = hidden_states(model, inputs, config)
+            scores = _scores(model, h_ref, h, targets, use if switching else None)
+            results.append(KVQuality(str(spec), *scores, int(kv_bytes), arith=engine.arith))
+    finally:
+        if switching:
+            engine.set_arith(before)
     if progress:
         progress("done", 1.0)
     return results

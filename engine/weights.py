@@ -65,17 +65,44 @@ def default_backend() -> str:
     return wanted if HAVE_NUMBA else "dense"
 
 
-ARITH_ENV = "OMLX_ARITH"  # "exact" (default): integer kernels where they exist; "float": never
+ARITH_ENV = "OMLX_ARITH"
+# The weight products' arithmetic (docs/kernels.md):
+#   "exact" (default): the integer kernels where they exist, activations at 16 bits per 32 values
+#            (within a mean KL of 1e-5 of the float kernels: the reference bars hold);
+#   "fast":  the same kernels with int8 activations per 32 values (llama.cpp's arithmetic, its
+#            cost measured by `omlx eval-kv --arith fast`); switchable at run time
+#            (`Engine.set_arith`), a type without integer kernels keeps the float ones;
+#   "float": the float kernels (dequantize and FMA) for every matrix, chosen at load.
+ARITH_MODES = ("exact", "fast", "float")
+
+
+def check_arith(mode: str) -> str:
+    """`mode` lower-cased if it is one of ARITH_MODES, else a SettingsError naming the closest."""
+    from .errors import SettingsError
+
+    wanted = str(mode).strip().lower()
+    if wanted not in ARITH_MODES:
+        import difflib
+
+        close = difflib.get_close_matches(wanted, ARITH_MODES, n=1, cutoff=0.3)
+        hint = f" — did you mean '{close[0]}'?" if close else ""
+        raise SettingsError(f"arithmetic {mode!r} is not one of {', '.join(ARITH_MODES)}{hint}")
+    return wanted
+
+
+def arith_mode() -> str:
+    """The arithmetic OMLX_ARITH asks for ("exact" when unset)."""
+    wanted = os.environ.get(ARITH_ENV, "").strip() or "exact"
+    try:
+        return check_arith(wanted)
+    except ValueError as exc:
+        raise type(exc)(f"{ARITH_ENV}: {exc}") from None
 
 
 def weight_arith(ggml_type: GGMLQuantizationType, out_features: int, in_features: int) -> str:
     """"int" when this CPU has integer kernels (`int_dot.kernel_isa`, OMLX_KERNELS forces one, or
-    "float") and the type has them at this shape, unless OMLX_ARITH=float; else "float". Both
-    pass the exactness bars (docs/kernels.md); the integer ones are the faster."""
-    wanted = os.environ.get(ARITH_ENV, "").strip().lower() or "exact"
-    if wanted not in ("exact", "float"):
-        raise ValueError(f"{ARITH_ENV}={wanted!r}: expected exact or float")
-    if wanted == "float" or not HAVE_NUMBA:
+    "float") and the type has them at this shape, unless OMLX_ARITH=float; else "float"."""
+    if arith_mode() == "float" or not HAVE_NUMBA:
         return "float"
     from .kernels import int_dot, int_matvec
 
@@ -86,7 +113,8 @@ def weight_arith(ggml_type: GGMLQuantizationType, out_features: int, in_features
 
 def weight_kernels(gguf: GGUFFile) -> dict:
     """Which kernels the matrices of a file will run on, from its header alone (`omlx info`):
-    {"isa": the integer kernels' instruction set or "float", "kernels": its description,
+    {"isa": the integer kernels' instruction set or "float", "arith": the arithmetic mode
+    (ARITH_MODES; "float" when no matrix takes the integer kernels), "kernels": its description,
     "int": [types on the integer kernels], "float": [types on the float ones]}."""
     by_path: dict[str, set[str]] = {"int": set(), "float": set()}
     for info in gguf.tensors.values():
@@ -97,8 +125,9 @@ def weight_kernels(gguf: GGUFFile) -> dict:
 
     # the integer kernels' instruction set only when some matrix takes them (weight_arith said so)
     isa = int_dot.kernel_isa() if by_path["int"] else "float"
-    return {"isa": isa, "kernels": int_dot.describe(isa), "int": sorted(by_path["int"]),
-            "float": sorted(by_path["float"])}
+    arith = arith_mode() if by_path["int"] else "float"
+    return {"isa": isa, "arith": arith, "kernels": int_dot.describe(isa, fast=arith == "fast"),
+            "int": sorted(by_path["int"]), "float": sorted(by_path["float"])}
 
 
 def dequantize_rows(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
@@ -337,9 +366,11 @@ class QuantLinear:
                     release(part)
             self._int = int_matvec.IntMatvec(ggml_type, raw, in_features, int_dot.kernel_isa(), packed=packed)
             self._matvec = None
+            self.fast = False  # int8 activations (ARITH_MODES "fast"); Engine.set_arith switches it
             self.raw = None
         else:
             self._int = None
+            self.fast = False
             self._matvec = quant_matvec.Matvec(ggml_type, raw, in_features)  # checks the row length
             self.raw = self._matvec.raw
 
@@ -348,14 +379,14 @@ class QuantLinear:
         if (type(x) is np.ndarray and x.ndim == 2 and x.dtype == np.float32 and x.flags.c_contiguous
                 and x.shape[1] == self.in_features and 0 < x.shape[0] <= self.MATVEC_MAX_ROWS):
             if self._int is not None:
-                return self._int(x, np.empty((x.shape[0], self.out_features), dtype=np.float32))
+                return self._int(x, np.empty((x.shape[0], self.out_features), dtype=np.float32), self.fast)
             return self._matvec(x, np.empty((x.shape[0], self.out_features), dtype=np.float32))
         x2, lead = _as_rows(x, self.in_features)
         T = x2.shape[0]
         if T == 0:
             y = np.empty((0, self.out_features), np.float32)
         elif self._int is not None:
-            y = self._int(np.ascontiguousarray(x2), np.empty((T, self.out_features), dtype=np.float32))
+            y = self._int(np.ascontiguousarray(x2), np.empty((T, self.out_features), dtype=np.float32), self.fast)
         elif T <= self.MATVEC_MAX_ROWS:
             y = self._matvec(x2, np.empty((T, self.out_features), dtype=np.float32))
         else:

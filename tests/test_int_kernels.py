@@ -35,9 +35,9 @@ def bits(a):
     return np.ascontiguousarray(a).view(np.uint32)
 
 
-def run(qtype, raw, x, isa):
+def run(qtype, raw, x, isa, fast=False):
     mv = int_matvec.IntMatvec(qtype, raw, x.shape[1], isa)
-    return mv(np.ascontiguousarray(x), np.empty((x.shape[0], raw.shape[0]), np.float32))
+    return mv(np.ascontiguousarray(x), np.empty((x.shape[0], raw.shape[0]), np.float32), fast)
 
 
 @pytest.mark.parametrize("isa", INT_ISAS)
@@ -55,19 +55,38 @@ def test_kernels_equal_the_integer_emulation_and_the_float64_product(qtype, isa)
 
 @pytest.mark.parametrize("isa", INT_ISAS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_a_row_in_a_batch_equals_the_row_alone(qtype, isa):
+def test_fast_kernels_equal_their_emulation_at_int8_accuracy(qtype, isa):
+    """Fast mode (int8 activations): bit-equal to its emulation, within the 8-bit rounding of
+    the activations (1/254 of a block's largest value) of the float64 product, and not the
+    exact kernels' results (the mode really changes the arithmetic)."""
+    raw = blocks(qtype, 48, 512)
+    x = activations(7, 512)
+    y = run(qtype, raw, x, isa, fast=True)
+    assert np.array_equal(bits(y), bits(int_reference.matvec(raw, qtype, x, fast=True)))
+    w = dequantize(raw, qtype).astype(np.float64).reshape(48, 512)
+    exact = x.astype(np.float64) @ w.T
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w).T
+    assert np.all(np.abs(y - exact) <= 1e-2 * scale + 1e-30)
+    assert not np.array_equal(bits(y), bits(run(qtype, raw, x, isa)))
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("isa", INT_ISAS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_row_in_a_batch_equals_the_row_alone(qtype, isa, fast):
     raw = blocks(qtype, 32, 256, seed=3)
     x = activations(64, 256, seed=4)
-    alone = np.concatenate([run(qtype, raw, x[i : i + 1], isa) for i in range(64)])
+    alone = np.concatenate([run(qtype, raw, x[i : i + 1], isa, fast) for i in range(64)])
     for n in range(1, 65):
-        assert np.array_equal(bits(run(qtype, raw, x[:n], isa)), bits(alone[:n])), n
+        assert np.array_equal(bits(run(qtype, raw, x[:n], isa, fast)), bits(alone[:n])), n
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_every_instruction_set_gives_the_same_bits(qtype):
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_every_instruction_set_gives_the_same_bits(qtype, fast):
     raw = blocks(qtype, 64, 1024, seed=5)
     x = activations(5, 1024, seed=6)
-    ys = [run(qtype, raw, x, isa) for isa in INT_ISAS]
+    ys = [run(qtype, raw, x, isa, fast) for isa in INT_ISAS]
     for y in ys[1:]:
         assert np.array_equal(bits(y), bits(ys[0]))
 
@@ -80,6 +99,20 @@ def test_repacking_round_trips(qtype):
     assert np.array_equal(int_matvec.unpack_rows(packed, qtype, np.arange(48)), raw)
     ids = np.array([47, 0, 17, 17, 31])
     assert np.array_equal(int_matvec.unpack_rows(packed, qtype, ids), raw[ids])
+
+
+def test_fast_activation_quantizer_matches_its_emulation():
+    x = activations(3, 256, seed=8)
+    words = int_dot.quantize_activations_fast(x)
+    h, nb = 256 // 4, 256 // 32
+    q_ref, s_ref, Q_ref, sQ_ref = int_reference.quantize_activations(x, fast=True)
+    assert np.array_equal(words[:, :h].view(np.int8).astype(np.int64), q_ref)
+    assert np.array_equal(bits(words[:, h : h + nb]), bits(s_ref))
+    assert np.array_equal(words[:, h + nb : h + 2 * nb].view(np.int32), Q_ref)
+    assert np.array_equal(bits(words[:, h + 2 * nb : h + 3 * nb]), bits(sQ_ref))
+    halves = words[:, h + 3 * nb :].view(np.int32)
+    assert np.array_equal(halves, q_ref.reshape(3, 16, 16).sum(-1))
+    assert np.abs(q_ref).max() == int_dot.FAST_ACT_MAX and np.all(q_ref[:, 96:128] == 0)
 
 
 def test_activation_quantizer_matches_its_emulation():

@@ -12,6 +12,7 @@ from gguf.quants import dequantize
 
 from engine import weights
 from engine.engine import Engine
+from engine.errors import SettingsError
 from engine.kernels import int_dot, int_matvec
 from engine.weights import QuantLinear, linear_layers
 
@@ -47,8 +48,8 @@ def test_float_arithmetic_on_request_and_for_types_without_integer_kernels(monke
     assert QuantLinear(raw, QT.Q4_0, 32, 256, arith="float").raw is not None
     monkeypatch.setenv(weights.ARITH_ENV, "float")
     assert QuantLinear(raw, QT.Q4_0, 32, 256).arith == "float"
-    monkeypatch.setenv(weights.ARITH_ENV, "fastest")
-    with pytest.raises(ValueError, match="expected exact or float"):
+    monkeypatch.setenv(weights.ARITH_ENV, "fastt")
+    with pytest.raises(ValueError, match="did you mean 'fast'"):
         weights.weight_arith(QT.Q4_0, 32, 256)
     monkeypatch.delenv(weights.ARITH_ENV)
     assert weights.weight_arith(QT.Q5_K, 32, 256) == "float"  # no integer kernel yet
@@ -104,3 +105,51 @@ def test_prefill_batching_follows_the_blas_and_the_layers(tmp_path, monkeypatch)
     rows_same = np.array_equal(weights._product(x[:200], w), weights._product(x, w)[:200])
     if not rows_same:  # a row that changed with the row count: the probe must have seen it too
         assert not weights.blas_rows_independent()
+
+
+def test_fast_mode_switches_at_run_time_at_llama_cpp_accuracy(smollm2_path, monkeypatch):
+    """Engine.set_arith("fast"): every integer layer takes int8 activations (a mean KL vs exact of
+    the order llama.cpp's int8 run has against its float32 one, 0.003-0.008 on these texts, and
+    clearly not zero), back to the exact bits on "exact"; float needs a reload."""
+    monkeypatch.delenv(weights.ARITH_ENV, raising=False)
+    tokens = np.load(reference_npz_path("smollm2-135m-instruct", "gpl-3"))["tokens"][:160]
+    at = np.arange(len(tokens))
+    engine = Engine.load(smollm2_path, kv="full")
+    assert engine.arith == "exact"
+    exact = engine.model.forward(tokens, engine.new_cache(), at)
+    engine.set_arith("fast")
+    assert engine.arith == "fast" and all(lin.fast for lin in engine._int_layers())
+    fast = engine.model.forward(tokens, engine.new_cache(), at)
+    engine.set_arith("exact")
+    assert np.array_equal(engine.model.forward(tokens, engine.new_cache(), at), exact)
+    p, q = _log_softmax(exact), _log_softmax(fast)
+    kl = float(np.sum(np.exp(p) * (p - q), axis=-1).mean())
+    assert 1e-4 < kl < 0.01, kl
+    assert np.mean(np.argmax(p, -1) == np.argmax(q, -1)) >= 0.9
+    with pytest.raises(SettingsError, match="chosen when a model loads"):
+        engine.set_arith("float")
+    with pytest.raises(SettingsError, match="did you mean 'exact'"):
+        engine.set_arith("exakt")
+
+
+def test_fast_and_exact_prefixes_never_mix(smollm2_path, monkeypatch, tmp_path):
+    monkeypatch.delenv(weights.ARITH_ENV, raising=False)
+    engine = Engine.load(smollm2_path, kv="full")
+    engine.disk_cache = False
+    exact_cache = engine.prefix_cache()
+    engine.set_arith("fast")
+    fast_cache = engine.prefix_cache()
+    assert fast_cache is not exact_cache and fast_cache.root != exact_cache.root
+    assert fast_cache.model_id == engine.model_id + "+fast"
+    engine.set_arith("exact")
+    assert engine.prefix_cache().model_id == engine.model_id
+
+
+def test_omlx_arith_fast_loads_in_fast_mode_and_float_stays_float(smollm2_path, monkeypatch):
+    monkeypatch.setenv(weights.ARITH_ENV, "fast")
+    assert Engine.load(smollm2_path, kv="full").arith == "fast"
+    monkeypatch.setenv(weights.ARITH_ENV, "float")
+    engine = Engine.load(smollm2_path, kv="full")
+    assert engine.arith == "float" and not engine._int_layers()
+    with pytest.raises(SettingsError, match="loaded with OMLX_ARITH=float"):
+        engine.set_arith("fast")

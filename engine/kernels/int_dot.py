@@ -108,11 +108,12 @@ def kernel_isa() -> str:
     return _isa
 
 
-def describe(isa: str) -> str:
+def describe(isa: str, fast: bool = False) -> str:
+    acts = "int8 activations, fast mode" if fast else "16-bit activations"
     return {
-        "avx512vnni": "integer (AVX-512 VNNI vpdpwssd, 16-bit activations)",
-        "avxvnni": "integer (AVX-VNNI 256-bit vpdpwssd, 16-bit activations)",
-        "avx2": "integer (AVX2 vpmaddwd, 16-bit activations)",
+        "avx512vnni": f"integer (AVX-512 VNNI {'vpdpbusd' if fast else 'vpdpwssd'}, {acts})",
+        "avxvnni": f"integer (AVX-VNNI 256-bit {'vpdpbusd' if fast else 'vpdpwssd'}, {acts})",
+        "avx2": f"integer (AVX2 {'vpmaddubsw' if fast else 'vpmaddwd'}, {acts})",
         "float": "float32 (dequantize-and-FMA)",
     }[isa]
 
@@ -145,10 +146,17 @@ class IntIR:
         return b.call(self._fn(name, vi, [vi, vi, vi]), [acc, w, a])
 
     def dot4u8s8(self, acc, w_u8, a_s8):
-        """acc + sum of the four u8 x s8 byte products of each lane (`vpdpbusd`; VNNI only)."""
+        """acc + sum of the four u8 x s8 byte products of each lane (`vpdpbusd`; on AVX2
+        `vpmaddubsw` + `vpmaddwd` by ones, whose i16 pair sums saturate: the caller keeps
+        u8 * |s8| * 2 <= 32767, e.g. codes up to 63 against |a| <= 127)."""
         b, n = self.b, self.lanes
-        assert self.isa in ("avx512vnni", "avxvnni")
         vi = vector_type(I32, n)
+        if self.isa == "avx2":
+            vb, vh = vector_type(I8, 4 * n), vector_type(I16, 2 * n)
+            pairs = b.call(self._fn("llvm.x86.avx2.pmadd.ub.sw", vh, [vb, vb]),
+                           [b.bitcast(w_u8, vb), b.bitcast(a_s8, vb)])
+            ones = ir.Constant(vh, [1] * (2 * n))
+            return b.add(acc, b.call(self._fn("llvm.x86.avx2.pmadd.wd", vi, [vh, vh]), [pairs, ones]))
         name = "llvm.x86.avx512.vpdpbusd.512" if n == 16 else "llvm.x86.avx512.vpdpbusd.256"
         if TYPED_VNNI_OPERANDS:
             vb = vector_type(I8, 4 * n)
@@ -207,6 +215,72 @@ def quantize_activations(x: np.ndarray, out: np.ndarray | None = None) -> np.nda
     h = K // 2
     _quantize(x, out[:, :h].view(np.int16), out[:, h : h + nb], out[:, h + nb : h + 2 * nb].view(np.int32),
               out[:, h + 2 * nb :])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast mode: int8 activations per 32 values (llama.cpp's Q8_0 activations), for `vpdpbusd`
+# ---------------------------------------------------------------------------------------------
+#
+# Layout of one row of x (K values, nb = K / 32 blocks), float32 words:
+#     words [0, K/4)            int8 codes q, four per word, block b's at words 8b..8b+7 in value
+#                               order (word 8b + j: values 4j .. 4j+3)
+#     words [K/4, K/4 + nb)     float32 s_b = max|x_b| / 127 (0 for an all-zero block)
+#     words [+nb, +2nb)         int32 Q_b = sum of block b's codes
+#     words [+2nb, +3nb)        float32 sQ_b = s_b * float32(Q_b)
+#     words [+3nb, +5nb)        int32 sums of values 0..15 and 16..31 of block b (words 2b, 2b+1)
+# q = rint(x / s_b) in float32, |q| <= 127.
+
+FAST_ACT_MAX = 127
+
+
+def fast_activation_words(k: int) -> int:
+    """float32 words of one int8-quantized row of k values."""
+    return k // 4 + 5 * (k // ACT_BLOCK)
+
+
+@njit(nogil=True, cache=True)
+def _quantize8(x, codes, scales, sums, scaled_sums, half_sums):
+    T, K = x.shape
+    for t in range(T):
+        for b in range(K // 32):
+            k0 = 32 * b
+            amax = np.float32(0.0)
+            for i in range(32):
+                a = abs(x[t, k0 + i])
+                if a > amax:
+                    amax = a
+            s = amax / np.float32(127.0)
+            lo = 0
+            hi = 0
+            if s > 0:
+                for i in range(32):
+                    q = int(np.rint(x[t, k0 + i] / s))
+                    codes[t, k0 + i] = q
+                    if i < 16:
+                        lo += q
+                    else:
+                        hi += q
+            else:
+                for i in range(32):
+                    codes[t, k0 + i] = 0
+            scales[t, b] = s
+            sums[t, b] = lo + hi
+            scaled_sums[t, b] = s * np.float32(lo + hi)
+            half_sums[t, 2 * b] = lo
+            half_sums[t, 2 * b + 1] = hi
+
+
+def quantize_activations_fast(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """x (T, K) float32, C-contiguous, K a multiple of 32 -> (T, fast_activation_words(K)) float32
+    words in the fast layout above."""
+    T, K = x.shape
+    nb = K // ACT_BLOCK
+    if out is None:
+        out = np.empty((T, fast_activation_words(K)), dtype=np.float32)
+    h = K // 4
+    _quantize8(x, out[:, :h].view(np.int8), out[:, h : h + nb], out[:, h + nb : h + 2 * nb].view(np.int32),
+               out[:, h + 2 * nb : h + 3 * nb], out[:, h + 3 * nb :].view(np.int32))
     return out
 
 

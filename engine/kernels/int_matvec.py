@@ -373,6 +373,185 @@ def make_group_dot_k(t: IntType, isa: str, n: int):
     return gdot
 
 
+def _fast_code_vectors(v, t: IntType, gb, lanes, half, sub):
+    """Fast mode: the unsigned byte code vectors of activation block `sub` of a weight block (0
+    for the 32-value types), rows lanes*half .. of the group at gb: [(<lanes x i32> of 4 u8 codes,
+    activation word 0..7 of the block), ...], words 0..3 (values 0..15) first.
+    Q8_0's signed bytes come back as they are (the caller offsets them); Q6_K's 6-bit codes are
+    unsigned 0..63 (offset 32, per 16 values)."""
+    vi = vector_type(I32, lanes)
+    out = []
+
+    def word(j):
+        return v.load(gb, t.header + 64 * j + 4 * lanes * half, vi, align=1)
+
+    if t.kind == "nibbles":  # code word j: values 4j.. (low nibbles), 16 + 4j.. (high)
+        ps = [word(j) for j in range(4)]
+        out = [(v.and_(p, 0x0F0F0F0F), j) for j, p in enumerate(ps)]
+        out += [(v.and_(v.shr(p, 4), 0x0F0F0F0F), 4 + j) for j, p in enumerate(ps)]
+    elif t.kind == "bytes":
+        out = [(word(j), j) for j in range(8)]
+    elif t.kind == "q4_k":
+        c, hi = divmod(sub, 2)
+        for j in range(8):
+            p = word(8 * c + j)
+            out.append((v.and_(v.shr(p, 4) if hi else p, 0x0F0F0F0F), j))
+    else:  # q6_k
+        n, k = divmod(sub, 4)
+        for j in range(8):
+            pl, ph = word(16 * n + 8 * (k & 1) + j), word(32 + 8 * n + j)
+            low = v.and_(v.shr(pl, 4) if k >= 2 else pl, 0x0F0F0F0F)
+            shift = 4 - 2 * k
+            high = v.shl(ph, shift) if shift > 0 else (v.shr(ph, -shift) if shift < 0 else ph)
+            out.append((v.or_(low, v.and_(high, 0x30303030)), j))
+    return out
+
+
+def make_group_dot_fast(t: IntType, isa: str, n: int):
+    """Fast mode (`int_dot.quantize_activations_fast`: int8 activations per 32 values), the
+    intrinsic signature of `make_group_dot`. Per activation block a and weight row, I the exact
+    int32 sum of unsigned codes times int8 codes (`vpdpbusd`; AVX2 `vpmaddubsw` + `vpmaddwd`):
+        Q4_0  float32(I - 8 Q_a) * (d * s_a)            Q4_1  float32(I) * (d * s_a) + m * sQ_a
+        Q8_0  float32(I - 128 Q_a) * (d * s_a), I of the codes + 128 (AVX2: as two nibbles, I =
+              I_lo + 16 I_hi, so that no i16 pair sum saturates)
+        Q4_K  float32(I) * ((d * sc_a) * s_a) - (dmin * m_a) * sQ_a
+        Q6_K  float32(I_lo - 32 Q16_lo) * ((d * sc_lo) * s_a), then the same for the high half
+    the same float operations as the exact kernels', each added to the row's sum in order."""
+
+    lanes = int_dot.ISA_LANES[isa]
+    halves = GROUP // lanes
+    subs = t.values // 32
+    n_int_accs = max(1, 2 // n)
+
+    @intrinsic
+    def gdot(typingctx, raw, xw, y, g, t0, yoff):
+        sig = types.void(raw, xw, y, g, t0, yoff)
+
+        def codegen(context, builder, signature, args):
+            v = VectorIR(builder)
+            ii = IntIR(builder, isa)
+            vf, vi = vector_type(F32, lanes), vector_type(I32, lanes)
+            vb = vector_type(I8, lanes)
+            rarr = context.make_array(signature.args[0])(context, builder, args[0])
+            row_bytes = cgutils.unpack_tuple(builder, rarr.shape, 2)[1]
+            rp = data_pointer(context, builder, signature.args[0], args[0])
+            xarr = context.make_array(signature.args[1])(context, builder, args[1])
+            words = cgutils.unpack_tuple(builder, xarr.shape, 2)[1]
+            xp = data_pointer(context, builder, signature.args[1], args[1])
+            yarr = context.make_array(signature.args[2])(context, builder, args[2])
+            ycols = cgutils.unpack_tuple(builder, yarr.shape, 2)[1]
+            yp = data_pointer(context, builder, signature.args[2], args[2])
+            gi, t0i, yoffi = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 4, 5))
+            c64 = lambda k: ir.Constant(I64, k)  # noqa: E731
+            nb = builder.sdiv(row_bytes, c64(t.nbytes))
+            na = builder.mul(nb, c64(subs))  # activation blocks per x row
+            c_words = builder.mul(na, c64(8))  # int8 code words per x row
+            group_base = v.gep(rp, builder.mul(builder.mul(gi, c64(GROUP)), row_bytes))
+            x_rows = [v.gep(xp, builder.mul(builder.add(t0i, c64(i)), builder.mul(words, c64(4)))) for i in range(n)]
+            zero_f = ir.Constant(vf, [0.0] * lanes)
+            zero_i = ir.Constant(vi, [0] * lanes)
+            faccs = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(n)] for _ in range(halves)]
+
+            def part(index):  # byte offset of word `index` (i64) of an x row
+                return builder.mul(index, c64(4))
+
+            def x_word(xr, index, ty):
+                return v.splat(v.load(v.gep(xr, part(index)), 0, ty, align=4), lanes)
+
+            def dot_sum(xc, codes):
+                accs = [zero_i] * n_int_accs
+                for k, (w, word) in enumerate(codes):
+                    a = v.splat(v.load(xc, 4 * word, I32, align=4), lanes)
+                    accs[k % n_int_accs] = ii.dot4u8s8(accs[k % n_int_accs], w, a)
+                total = accs[0]
+                for extra in accs[1:]:
+                    total = builder.add(total, extra)
+                return total
+
+            def scale_byte(gb, i, h, signed):
+                raw8 = v.load(gb, t.field_at[len(t.fields) - (12 if t.kind == "q4_k" else 16) + i] + lanes * h, vb,
+                              align=1)
+                return builder.sext(raw8, vi) if signed else builder.zext(raw8, vi)
+
+            def add_block(h, i, blk):
+                builder.store(builder.fadd(builder.load(faccs[h][i]), blk), faccs[h][i])
+
+            with cgutils.for_range(builder, nb) as loop:
+                bi = loop.index
+                gb = v.gep(group_base, builder.mul(bi, c64(t.group_block)))
+                prefetch_ahead(builder, gb)
+                for h in range(halves):
+                    d = builder.fpext(v.load(gb, 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
+                    if t.kind == "q4_k":
+                        dmin = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
+                        col = [scale_byte(gb, i, h, False) for i in range(12)]
+                    if t.has_min:
+                        m = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
+                    for sub in range(subs):
+                        a = builder.add(builder.mul(bi, c64(subs)), c64(sub))
+                        code_off = builder.mul(a, c64(32))  # 8 words of int8 codes per block
+                        s_at = builder.add(c_words, a)
+                        x_scale = [x_word(xr, s_at, F32) for xr in x_rows]
+                        codes = _fast_code_vectors(v, t, gb, lanes, h, sub)
+                        if t.kind == "bytes":
+                            codes = [(v.b.xor(w, ir.Constant(vi, [0x80808080 - 2**32] * lanes)), word)
+                                     for w, word in codes]  # codes + 128, unsigned
+                        if t.kind == "q4_k":
+                            if sub < 4:
+                                sc, mn = v.and_(col[sub], 63), v.and_(col[sub + 4], 63)
+                            else:
+                                sc = v.or_(v.and_(col[sub + 4], 15), v.shl(v.shr(col[sub - 4], 6), 4))
+                                mn = v.or_(v.shr(col[sub + 4], 4), v.shl(v.shr(col[sub], 6), 4))
+                            dsc = builder.fmul(d, builder.sitofp(sc, vf))
+                            dmn = builder.fmul(dmin, builder.sitofp(mn, vf))
+                        if t.kind == "q6_k":
+                            half_scales = [builder.fmul(d, builder.sitofp(scale_byte(gb, 2 * sub + e, h, True), vf))
+                                           for e in (0, 1)]
+                        for i in range(n):
+                            xc = v.gep(x_rows[i], code_off)
+                            if t.kind == "q6_k":
+                                for e in (0, 1):
+                                    total = dot_sum(xc, codes[4 * e : 4 * e + 4])
+                                    q16 = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(3))),
+                                                                        builder.add(builder.mul(a, c64(2)), c64(e))), I32)
+                                    total = builder.sub(total, builder.mul(q16, ir.Constant(vi, [32] * lanes)))
+                                    f = builder.fmul(half_scales[e], x_scale[i])
+                                    add_block(h, i, builder.fmul(builder.sitofp(total, vf), f))
+                                continue
+                            if t.kind == "bytes" and isa == "avx2":
+                                # I = I_lo + 16 I_hi over the two nibbles of each code + 128
+                                lo = dot_sum(xc, [(v.and_(w, 0x0F0F0F0F), word) for w, word in codes])
+                                hi = dot_sum(xc, [(v.and_(v.shr(w, 4), 0x0F0F0F0F), word) for w, word in codes])
+                                total = builder.add(lo, v.shl(hi, 4))
+                            else:
+                                total = dot_sum(xc, codes)
+                            if t.kind in ("nibbles", "bytes") and t.offset + (128 if t.kind == "bytes" else 0):
+                                off = t.offset + (128 if t.kind == "bytes" else 0)
+                                q_sum = x_word(x_rows[i], builder.add(builder.add(c_words, na), a), I32)
+                                total = builder.sub(total, builder.mul(q_sum, ir.Constant(vi, [off] * lanes)))
+                            if t.kind == "q4_k":
+                                blk = builder.fmul(builder.sitofp(total, vf), builder.fmul(dsc, x_scale[i]))
+                                sq = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(2))), a), F32)
+                                blk = builder.fsub(blk, builder.fmul(dmn, sq))
+                            else:
+                                blk = builder.fmul(builder.sitofp(total, vf), builder.fmul(d, x_scale[i]))
+                                if t.has_min:
+                                    sq = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(2))), a),
+                                                F32)
+                                    blk = builder.fadd(blk, builder.fmul(m, sq))
+                            add_block(h, i, blk)
+            col0 = builder.sub(builder.mul(gi, c64(GROUP)), yoffi)
+            for i in range(n):
+                yrow = v.gep(yp, builder.mul(builder.add(t0i, c64(i)), builder.mul(ycols, c64(4))))
+                for h in range(halves):
+                    v.store(builder.load(faccs[h][i]), yrow, builder.mul(builder.add(col0, c64(lanes * h)), c64(4)))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return gdot
+
+
 # One intrinsic per (type, instruction set, rows of x at once)
 _GDOT = {(tt, isa, n): (make_group_dot_k if INT_TYPES[tt].values == 256 else make_group_dot)(INT_TYPES[tt], isa, n)
          for tt in INT_TYPES for isa in int_dot.ISA_LANES for n in (1, 2, 4)}
@@ -401,6 +580,25 @@ _g_q4_k_avx2_1, _g_q4_k_avx2_2, _g_q4_k_avx2_4 = (_GDOT[QT.Q4_K, "avx2", n] for 
 _g_q6_k_512_1, _g_q6_k_512_2, _g_q6_k_512_4 = (_GDOT[QT.Q6_K, "avx512vnni", n] for n in (1, 2, 4))
 _g_q6_k_256_1, _g_q6_k_256_2, _g_q6_k_256_4 = (_GDOT[QT.Q6_K, "avxvnni", n] for n in (1, 2, 4))
 _g_q6_k_avx2_1, _g_q6_k_avx2_2, _g_q6_k_avx2_4 = (_GDOT[QT.Q6_K, "avx2", n] for n in (1, 2, 4))
+
+# Fast mode (int8 activations)
+_GDOT_FAST = {(tt, isa, n): make_group_dot_fast(INT_TYPES[tt], isa, n)
+              for tt in INT_TYPES for isa in int_dot.ISA_LANES for n in (1, 2, 4)}
+_f_q4_0_512_1, _f_q4_0_512_2, _f_q4_0_512_4 = (_GDOT_FAST[QT.Q4_0, "avx512vnni", n] for n in (1, 2, 4))
+_f_q4_0_256_1, _f_q4_0_256_2, _f_q4_0_256_4 = (_GDOT_FAST[QT.Q4_0, "avxvnni", n] for n in (1, 2, 4))
+_f_q4_0_avx2_1, _f_q4_0_avx2_2, _f_q4_0_avx2_4 = (_GDOT_FAST[QT.Q4_0, "avx2", n] for n in (1, 2, 4))
+_f_q4_1_512_1, _f_q4_1_512_2, _f_q4_1_512_4 = (_GDOT_FAST[QT.Q4_1, "avx512vnni", n] for n in (1, 2, 4))
+_f_q4_1_256_1, _f_q4_1_256_2, _f_q4_1_256_4 = (_GDOT_FAST[QT.Q4_1, "avxvnni", n] for n in (1, 2, 4))
+_f_q4_1_avx2_1, _f_q4_1_avx2_2, _f_q4_1_avx2_4 = (_GDOT_FAST[QT.Q4_1, "avx2", n] for n in (1, 2, 4))
+_f_q8_0_512_1, _f_q8_0_512_2, _f_q8_0_512_4 = (_GDOT_FAST[QT.Q8_0, "avx512vnni", n] for n in (1, 2, 4))
+_f_q8_0_256_1, _f_q8_0_256_2, _f_q8_0_256_4 = (_GDOT_FAST[QT.Q8_0, "avxvnni", n] for n in (1, 2, 4))
+_f_q8_0_avx2_1, _f_q8_0_avx2_2, _f_q8_0_avx2_4 = (_GDOT_FAST[QT.Q8_0, "avx2", n] for n in (1, 2, 4))
+_f_q4_k_512_1, _f_q4_k_512_2, _f_q4_k_512_4 = (_GDOT_FAST[QT.Q4_K, "avx512vnni", n] for n in (1, 2, 4))
+_f_q4_k_256_1, _f_q4_k_256_2, _f_q4_k_256_4 = (_GDOT_FAST[QT.Q4_K, "avxvnni", n] for n in (1, 2, 4))
+_f_q4_k_avx2_1, _f_q4_k_avx2_2, _f_q4_k_avx2_4 = (_GDOT_FAST[QT.Q4_K, "avx2", n] for n in (1, 2, 4))
+_f_q6_k_512_1, _f_q6_k_512_2, _f_q6_k_512_4 = (_GDOT_FAST[QT.Q6_K, "avx512vnni", n] for n in (1, 2, 4))
+_f_q6_k_256_1, _f_q6_k_256_2, _f_q6_k_256_4 = (_GDOT_FAST[QT.Q6_K, "avxvnni", n] for n in (1, 2, 4))
+_f_q6_k_avx2_1, _f_q6_k_avx2_2, _f_q6_k_avx2_4 = (_GDOT_FAST[QT.Q6_K, "avx2", n] for n in (1, 2, 4))
 
 
 @njit(nogil=True, cache=True)
@@ -658,6 +856,261 @@ def _irows_q6_k_avx2(raw, xw, y, r0, r1, yoff):
                 t += 1
 
 
+@njit(nogil=True, cache=True)
+def _frows_q4_0_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q4_0_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q4_0_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q4_0_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q4_0_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q4_0_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q4_0_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q4_0_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q4_0_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q4_0_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q4_0_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q4_0_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q4_1_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q4_1_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q4_1_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q4_1_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q4_1_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q4_1_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q4_1_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q4_1_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q4_1_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q4_1_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q4_1_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q4_1_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q8_0_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q8_0_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q8_0_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q8_0_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q8_0_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q8_0_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q8_0_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q8_0_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q8_0_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q8_0_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q8_0_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q8_0_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q4_k_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q4_k_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q4_k_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q4_k_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q4_k_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q4_k_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q4_k_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q4_k_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q4_k_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q4_k_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q4_k_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q4_k_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q6_k_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q6_k_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q6_k_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q6_k_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q6_k_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q6_k_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q6_k_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q6_k_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q6_k_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q6_k_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q6_k_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q6_k_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
 # The pool's compute functions (the signature of quant_matvec's, see `quant_matvec.run_rows`):
 # x is the quantized activations (T, words), rows are weight rows (multiples of 16 per chunk).
 
@@ -736,6 +1189,81 @@ def _c_q6_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, 
                      carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
+def _cf_q4_0_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q4_0_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q4_0_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q4_0_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q4_0_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q4_0_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q4_1_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q4_1_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q4_1_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q4_1_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q4_1_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q4_1_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q8_0_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q8_0_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q8_0_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q8_0_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q8_0_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q8_0_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q4_k_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q4_k_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q4_k_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q4_k_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q4_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q4_k_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q6_k_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q6_k_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q6_k_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q6_k_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q6_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q6_k_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
 _COMPUTE_PY = {
     (QT.Q4_0, "avx512vnni"): _c_q4_0_512, (QT.Q4_0, "avxvnni"): _c_q4_0_256, (QT.Q4_0, "avx2"): _c_q4_0_avx2,
     (QT.Q4_1, "avx512vnni"): _c_q4_1_512, (QT.Q4_1, "avxvnni"): _c_q4_1_256, (QT.Q4_1, "avx2"): _c_q4_1_avx2,
@@ -753,14 +1281,31 @@ _ROWS = {
     (QT.Q6_K, "avx512vnni"): _irows_q6_k_512, (QT.Q6_K, "avxvnni"): _irows_q6_k_256,
     (QT.Q6_K, "avx2"): _irows_q6_k_avx2,
 }
+_COMPUTE_FAST_PY = {
+    (QT.Q4_0, "avx512vnni"): _cf_q4_0_512, (QT.Q4_0, "avxvnni"): _cf_q4_0_256, (QT.Q4_0, "avx2"): _cf_q4_0_avx2,
+    (QT.Q4_1, "avx512vnni"): _cf_q4_1_512, (QT.Q4_1, "avxvnni"): _cf_q4_1_256, (QT.Q4_1, "avx2"): _cf_q4_1_avx2,
+    (QT.Q8_0, "avx512vnni"): _cf_q8_0_512, (QT.Q8_0, "avxvnni"): _cf_q8_0_256, (QT.Q8_0, "avx2"): _cf_q8_0_avx2,
+    (QT.Q4_K, "avx512vnni"): _cf_q4_k_512, (QT.Q4_K, "avxvnni"): _cf_q4_k_256, (QT.Q4_K, "avx2"): _cf_q4_k_avx2,
+    (QT.Q6_K, "avx512vnni"): _cf_q6_k_512, (QT.Q6_K, "avxvnni"): _cf_q6_k_256, (QT.Q6_K, "avx2"): _cf_q6_k_avx2,
+}
+_ROWS_FAST = {
+    (QT.Q4_0, "avx512vnni"): _frows_q4_0_512, (QT.Q4_0, "avxvnni"): _frows_q4_0_256,
+    (QT.Q4_0, "avx2"): _frows_q4_0_avx2, (QT.Q4_1, "avx512vnni"): _frows_q4_1_512,
+    (QT.Q4_1, "avxvnni"): _frows_q4_1_256, (QT.Q4_1, "avx2"): _frows_q4_1_avx2,
+    (QT.Q8_0, "avx512vnni"): _frows_q8_0_512, (QT.Q8_0, "avxvnni"): _frows_q8_0_256,
+    (QT.Q8_0, "avx2"): _frows_q8_0_avx2, (QT.Q4_K, "avx512vnni"): _frows_q4_k_512,
+    (QT.Q4_K, "avxvnni"): _frows_q4_k_256, (QT.Q4_K, "avx2"): _frows_q4_k_avx2,
+    (QT.Q6_K, "avx512vnni"): _frows_q6_k_512, (QT.Q6_K, "avxvnni"): _frows_q6_k_256,
+    (QT.Q6_K, "avx2"): _frows_q6_k_avx2,
+}
 _cfuncs: dict = {}
 _cfunc_lock = threading.Lock()
 
 
-def compute_address(ggml_type, isa: str) -> int:
-    """The address of the (type, instruction set) compute function, compiled or loaded from
-    numba's disk cache on first use."""
-    key = (ggml_type, isa)
+def compute_address(ggml_type, isa: str, fast: bool = False) -> int:
+    """The address of the (type, instruction set, exact or fast) compute function, compiled or
+    loaded from numba's disk cache on first use."""
+    key = (ggml_type, isa, fast)
     fn = _cfuncs.get(key)
     if fn is None:
         with _cfunc_lock:
@@ -768,7 +1313,8 @@ def compute_address(ggml_type, isa: str) -> int:
             if fn is None:
                 from .quant_matvec import COMPUTE_SIG
 
-                fn = _cfuncs[key] = cfunc(COMPUTE_SIG, nogil=True, cache=True)(_COMPUTE_PY[key])
+                py = (_COMPUTE_FAST_PY if fast else _COMPUTE_PY)[ggml_type, isa]
+                fn = _cfuncs[key] = cfunc(COMPUTE_SIG, nogil=True, cache=True)(py)
     return fn.address
 
 
@@ -776,7 +1322,7 @@ class IntMatvec:
     """y = x @ W.T by the integer kernels, for one matrix: W the GGUF blocks `raw` (rows, bytes),
     repacked here (the caller drops `raw` and keeps `packed`)."""
 
-    __slots__ = ("ggml_type", "isa", "packed", "n_rows", "in_features", "compute", "chunk")
+    __slots__ = ("ggml_type", "isa", "packed", "n_rows", "in_features", "compute", "compute_fast", "chunk")
 
     def __init__(self, ggml_type, raw: np.ndarray, in_features: int, isa: str, packed: np.ndarray | None = None):
         from .quant_matvec import _MAX_CHUNKS, CHUNK_BYTES, readonly
@@ -787,24 +1333,31 @@ class IntMatvec:
         self.packed = readonly(repack(raw, ggml_type) if packed is None else packed)
         self.n_rows, self.in_features = raw.shape[0], in_features
         self.compute = compute_address(ggml_type, isa)
+        self.compute_fast = None  # compiled on the first fast-mode product
         # rows per chunk: ~CHUNK_BYTES, whole groups of GROUP rows, and at most _MAX_CHUNKS chunks
         # (the pool's state array has that many slots: a vocabulary-sized matrix of 262,144 rows
         # needs chunks of 64 rows or more)
         fewest = -(-raw.shape[0] // _MAX_CHUNKS)
         self.chunk = max(GROUP, (CHUNK_BYTES // raw.shape[1]) // GROUP * GROUP, -(-fewest // GROUP) * GROUP)
 
-    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """x C-contiguous float32 (T, in_features) -> out (T, rows), C-contiguous."""
+    def __call__(self, x: np.ndarray, out: np.ndarray, fast: bool = False) -> np.ndarray:
+        """x C-contiguous float32 (T, in_features) -> out (T, rows), C-contiguous. fast: int8
+        activations (`int_dot.quantize_activations_fast`), else 16-bit."""
         from .quant_matvec import BUF_VALUES, run_rows
 
-        xw = quantize_activations(x)
+        if fast:
+            if self.compute_fast is None:
+                self.compute_fast = compute_address(self.ggml_type, self.isa, True)
+            xw, compute = int_dot.quantize_activations_fast(x), self.compute_fast
+        else:
+            xw, compute = quantize_activations(x), self.compute
         # the pool shares a job of at most BUF_VALUES outputs per chunk: a long prompt goes in
         # slices of rows of x (the kernels compute a row the same in any batch, so slicing changes
         # no bit)
         step = max(1, BUF_VALUES // self.chunk)
         for t0 in range(0, x.shape[0], step):
             t1 = min(t0 + step, x.shape[0])
-            run_rows(self.compute, self.packed, xw[t0:t1], out[t0:t1], self.chunk,
+            run_rows(compute, self.packed, xw[t0:t1], out[t0:t1], self.chunk,
                      self.chunk * self.packed.shape[1] * (t1 - t0))
         return out
 

@@ -10,16 +10,17 @@ from __future__ import annotations
 import numpy as np
 from gguf.constants import GGMLQuantizationType as QT
 
-from .int_dot import ACT_BLOCK, ACT_MAX
+from .int_dot import ACT_BLOCK, ACT_MAX, FAST_ACT_MAX
 
 
-def quantize_activations(x: np.ndarray):
+def quantize_activations(x: np.ndarray, fast: bool = False):
     """x (T, K) float32 -> (codes (T, K) int64 in value order, s (T, nb) float32, Q (T, nb) int64,
-    sQ (T, nb) float32), as `int_dot.quantize_activations` computes them."""
+    sQ (T, nb) float32), as `int_dot.quantize_activations` (fast: `quantize_activations_fast`,
+    int8 codes) computes them."""
     T, K = x.shape
     xb = x.reshape(T, K // ACT_BLOCK, ACT_BLOCK).astype(np.float32)
     amax = np.abs(xb).max(axis=-1)
-    s = (amax / np.float32(ACT_MAX)).astype(np.float32)
+    s = (amax / np.float32(FAST_ACT_MAX if fast else ACT_MAX)).astype(np.float32)
     safe = np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
     q = np.rint((xb / safe[..., None]).astype(np.float32)).astype(np.int64)
     q[s == 0] = 0
@@ -70,9 +71,11 @@ def weight_codes(raw: np.ndarray, ggml_type):
     return codes, d, m, (8 if ggml_type == QT.Q4_0 else 0)
 
 
-def matvec(raw: np.ndarray, ggml_type, x: np.ndarray) -> np.ndarray:
-    """x (T, K) float32 -> y (T, rows) float32, exactly as the integer kernels compute it."""
-    q, s, Q, sQ = quantize_activations(np.ascontiguousarray(x, dtype=np.float32))
+def matvec(raw: np.ndarray, ggml_type, x: np.ndarray, fast: bool = False) -> np.ndarray:
+    """x (T, K) float32 -> y (T, rows) float32, exactly as the integer kernels compute it (fast:
+    the fast mode's, int8 activations; the integer sums are the same whichever way a kernel
+    offsets its codes, so the float operations that follow are too)."""
+    q, s, Q, sQ = quantize_activations(np.ascontiguousarray(x, dtype=np.float32), fast)
     c, d, m, off = weight_codes(raw, ggml_type)
     T, K = q.shape
     nsub = d.shape[1]
