@@ -56,12 +56,12 @@ class IntType:
     code kind ("nibbles" 0..15, "bytes" int8, or a k-quant "q4_k" / "q6_k") and the offset
     subtracted from each code."""
 
-    def __init__(self, ggml_type, values, nbytes, fields, codes_at, code_words, kind, offset=0):
+    def __init__(self, ggml_type, values, nbytes, fields, codes_at, code_words, kind, offset=0, has_min=None):
         self.ggml_type = ggml_type
         self.values, self.nbytes = values, nbytes
         self.fields = fields
         self.codes_at, self.code_words, self.kind, self.offset = codes_at, code_words, kind, offset
-        self.has_min = kind == "nibbles" and len(fields) == 2
+        self.has_min = (kind == "nibbles" and len(fields) == 2) if has_min is None else has_min
         self.header = sum(GROUP * size for _, size in fields)
         self.group_block = GROUP * nbytes
         assert self.header + 64 * code_words == self.group_block
@@ -73,6 +73,9 @@ INT_TYPES = {
     QT.Q4_0: IntType(QT.Q4_0, 32, 18, ((0, 2),), 2, 4, "nibbles", 8),
     QT.Q4_1: IntType(QT.Q4_1, 32, 20, ((0, 2), (2, 2)), 4, 4, "nibbles"),
     QT.Q8_0: IntType(QT.Q8_0, 32, 34, ((0, 2),), 2, 8, "bytes"),
+    # Q5_0 / Q5_1: d [, m] (float16), qh (the 32 fifth bits, repacked in QH5_ORDER), 16 nibble bytes
+    QT.Q5_0: IntType(QT.Q5_0, 32, 22, ((0, 2), (2, 4)), 6, 4, "q5", 16, has_min=False),
+    QT.Q5_1: IntType(QT.Q5_1, 32, 24, ((0, 2), (2, 2), (4, 4)), 8, 4, "q5", has_min=True),
     # Q4_K: d, dmin (float16), 12 bytes of 6-bit sub-block scales and minima, 128 nibble bytes
     # (byte 32c + l: low nibble value 64c + l, high nibble 64c + 32 + l)
     QT.Q4_K: IntType(QT.Q4_K, 256, 144, ((0, 2), (2, 2)) + tuple((4 + i, 1) for i in range(12)), 16, 32, "q4_k"),
@@ -92,11 +95,37 @@ def supports(ggml_type, n_rows: int, in_features: int) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+# Q5_0 / Q5_1: bit v of the GGUF qh (the fifth bit of value v) moves to bit QH5_ORDER[v] of the
+# repacked one: value 16h + 4j + i to bit 8i + j + 4h. Then a code word j's four values (i = 0..3)
+# of half h sit at bits 8i + g (g = j + 4h), one per byte: shifted by 4 - g they land on bit 4 of
+# each byte (the fast kernels' u8 codes), and the pairs (i = 0, 2) and (i = 1, 3) on bits 4 and 20
+# of the i16 lanes (the exact kernels'), two operations per vector.
+QH5_ORDER = np.array([8 * (v % 4) + (v % 16) // 4 + 4 * (v // 16) for v in range(32)])
+
+
+def _permute_bits(words: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """uint32 words -> the words with bit v moved to bit order[v]."""
+    out = np.zeros_like(words)
+    for v, to in enumerate(order):
+        out |= ((words >> np.uint32(v)) & np.uint32(1)) << np.uint32(to)
+    return out
+
+
+def _qh_field(t: IntType) -> int:
+    return t.fields[-1][0]
+
+
 def repack(raw: np.ndarray, ggml_type) -> np.ndarray:
     """(rows, bytes) GGUF blocks -> the repacked layout, same shape (a new array)."""
     t = INT_TYPES[ggml_type]
     n_rows, row_bytes = raw.shape
     nb, G = row_bytes // t.nbytes, n_rows // GROUP
+    if t.kind == "q5":
+        raw = raw.reshape(n_rows, nb, t.nbytes).copy()
+        at = _qh_field(t)
+        qh = raw[:, :, at : at + 4].copy().view(np.uint32)
+        raw[:, :, at : at + 4] = _permute_bits(qh, QH5_ORDER).view(np.uint8)
+        raw = raw.reshape(n_rows, row_bytes)
     blocks = raw.reshape(G, GROUP, nb, t.nbytes).transpose(0, 2, 1, 3)  # (G, nb, 16, ts)
     out = np.empty((G, nb, t.group_block), dtype=np.uint8)
     for at, (off, size) in zip(t.field_at, t.fields):
@@ -120,6 +149,10 @@ def unpack_rows(packed: np.ndarray, ggml_type, rows: np.ndarray) -> np.ndarray:
         out[:, :, off : off + size] = f[idx, :, r]
     codes = grp[:, :, t.header :].reshape(len(g), nb, t.code_words, GROUP, 4)
     out[:, :, t.codes_at : t.codes_at + 4 * t.code_words] = codes[idx, :, :, r].reshape(len(g), nb, -1)
+    if t.kind == "q5":
+        at = _qh_field(t)
+        qh = out[:, :, at : at + 4].copy().view(np.uint32)
+        out[:, :, at : at + 4] = _permute_bits(qh, np.argsort(QH5_ORDER)).view(np.uint8)
     return out.reshape(len(g), row_bytes)
 
 
@@ -134,9 +167,18 @@ def _code_vectors(v, t: IntType, gb, lanes, half):
     b = v.b
     vi = vector_type(I32, lanes)
     out = []
+    if t.kind == "q5":  # the fifth bits, QH5_ORDER (see there): to bits 4 and 20 of the lane
+        qh = v.load(gb, t.field_at[-1] + 4 * lanes * half, vi, align=1)
     for j in range(t.code_words):
         p = v.load(gb, t.header + 64 * j + 4 * lanes * half, vi, align=1)
-        if t.kind == "nibbles":
+        if t.kind == "q5":
+            for shift, word, g, odd in ((0, 2 * j, j, 0), (8, 2 * j + 1, j, 1), (4, 2 * (j + 4), j + 4, 0),
+                                        (12, 2 * (j + 4) + 1, j + 4, 1)):
+                move = 4 - g - 8 * odd  # bit g (+8 for the odd values) -> bit 4
+                fifth = v.shl(qh, move) if move > 0 else (v.shr(qh, -move) if move < 0 else qh)
+                nib = v.and_(v.shr(p, shift) if shift else p, 0x000F000F)
+                out.append((v.or_(nib, v.and_(fifth, 0x00100010)), word))
+        elif t.kind == "nibbles":
             for shift, word in ((0, 2 * j), (8, 2 * j + 1), (4, 2 * (j + 4)), (12, 2 * (j + 4) + 1)):
                 out.append((v.and_(v.shr(p, shift) if shift else p, 0x000F000F), word))
         else:
@@ -385,7 +427,16 @@ def _fast_code_vectors(v, t: IntType, gb, lanes, half, sub):
     def word(j):
         return v.load(gb, t.header + 64 * j + 4 * lanes * half, vi, align=1)
 
-    if t.kind == "nibbles":  # code word j: values 4j.. (low nibbles), 16 + 4j.. (high)
+    if t.kind == "q5":  # nibbles | fifth bit (QH5_ORDER: group g's bits at 8i + g -> bit 4 of byte i)
+        qh = v.load(gb, t.field_at[-1] + 4 * lanes * half, vi, align=1)
+        for j in range(4):
+            p = word(j)
+            for hh, nib in ((0, v.and_(p, 0x0F0F0F0F)), (1, v.and_(v.shr(p, 4), 0x0F0F0F0F))):
+                move = 4 - (j + 4 * hh)
+                fifth = v.shl(qh, move) if move > 0 else (v.shr(qh, -move) if move < 0 else qh)
+                out.append((v.or_(nib, v.and_(fifth, 0x10101010)), j + 4 * hh))
+        out.sort(key=lambda item: item[1])
+    elif t.kind == "nibbles":  # code word j: values 4j.. (low nibbles), 16 + 4j.. (high)
         ps = [word(j) for j in range(4)]
         out = [(v.and_(p, 0x0F0F0F0F), j) for j, p in enumerate(ps)]
         out += [(v.and_(v.shr(p, 4), 0x0F0F0F0F), 4 + j) for j, p in enumerate(ps)]
@@ -525,7 +576,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                                 total = builder.add(lo, v.shl(hi, 4))
                             else:
                                 total = dot_sum(xc, codes)
-                            if t.kind in ("nibbles", "bytes") and t.offset + (128 if t.kind == "bytes" else 0):
+                            if t.kind in ("nibbles", "bytes", "q5") and t.offset + (128 if t.kind == "bytes" else 0):
                                 off = t.offset + (128 if t.kind == "bytes" else 0)
                                 q_sum = x_word(x_rows[i], builder.add(builder.add(c_words, na), a), I32)
                                 total = builder.sub(total, builder.mul(q_sum, ir.Constant(vi, [off] * lanes)))
@@ -580,6 +631,12 @@ _g_q4_k_avx2_1, _g_q4_k_avx2_2, _g_q4_k_avx2_4 = (_GDOT[QT.Q4_K, "avx2", n] for 
 _g_q6_k_512_1, _g_q6_k_512_2, _g_q6_k_512_4 = (_GDOT[QT.Q6_K, "avx512vnni", n] for n in (1, 2, 4))
 _g_q6_k_256_1, _g_q6_k_256_2, _g_q6_k_256_4 = (_GDOT[QT.Q6_K, "avxvnni", n] for n in (1, 2, 4))
 _g_q6_k_avx2_1, _g_q6_k_avx2_2, _g_q6_k_avx2_4 = (_GDOT[QT.Q6_K, "avx2", n] for n in (1, 2, 4))
+_g_q5_0_512_1, _g_q5_0_512_2, _g_q5_0_512_4 = (_GDOT[QT.Q5_0, "avx512vnni", n] for n in (1, 2, 4))
+_g_q5_0_256_1, _g_q5_0_256_2, _g_q5_0_256_4 = (_GDOT[QT.Q5_0, "avxvnni", n] for n in (1, 2, 4))
+_g_q5_0_avx2_1, _g_q5_0_avx2_2, _g_q5_0_avx2_4 = (_GDOT[QT.Q5_0, "avx2", n] for n in (1, 2, 4))
+_g_q5_1_512_1, _g_q5_1_512_2, _g_q5_1_512_4 = (_GDOT[QT.Q5_1, "avx512vnni", n] for n in (1, 2, 4))
+_g_q5_1_256_1, _g_q5_1_256_2, _g_q5_1_256_4 = (_GDOT[QT.Q5_1, "avxvnni", n] for n in (1, 2, 4))
+_g_q5_1_avx2_1, _g_q5_1_avx2_2, _g_q5_1_avx2_4 = (_GDOT[QT.Q5_1, "avx2", n] for n in (1, 2, 4))
 
 # Fast mode (int8 activations)
 _GDOT_FAST = {(tt, isa, n): make_group_dot_fast(INT_TYPES[tt], isa, n)
@@ -599,6 +656,12 @@ _f_q4_k_avx2_1, _f_q4_k_avx2_2, _f_q4_k_avx2_4 = (_GDOT_FAST[QT.Q4_K, "avx2", n]
 _f_q6_k_512_1, _f_q6_k_512_2, _f_q6_k_512_4 = (_GDOT_FAST[QT.Q6_K, "avx512vnni", n] for n in (1, 2, 4))
 _f_q6_k_256_1, _f_q6_k_256_2, _f_q6_k_256_4 = (_GDOT_FAST[QT.Q6_K, "avxvnni", n] for n in (1, 2, 4))
 _f_q6_k_avx2_1, _f_q6_k_avx2_2, _f_q6_k_avx2_4 = (_GDOT_FAST[QT.Q6_K, "avx2", n] for n in (1, 2, 4))
+_f_q5_0_512_1, _f_q5_0_512_2, _f_q5_0_512_4 = (_GDOT_FAST[QT.Q5_0, "avx512vnni", n] for n in (1, 2, 4))
+_f_q5_0_256_1, _f_q5_0_256_2, _f_q5_0_256_4 = (_GDOT_FAST[QT.Q5_0, "avxvnni", n] for n in (1, 2, 4))
+_f_q5_0_avx2_1, _f_q5_0_avx2_2, _f_q5_0_avx2_4 = (_GDOT_FAST[QT.Q5_0, "avx2", n] for n in (1, 2, 4))
+_f_q5_1_512_1, _f_q5_1_512_2, _f_q5_1_512_4 = (_GDOT_FAST[QT.Q5_1, "avx512vnni", n] for n in (1, 2, 4))
+_f_q5_1_256_1, _f_q5_1_256_2, _f_q5_1_256_4 = (_GDOT_FAST[QT.Q5_1, "avxvnni", n] for n in (1, 2, 4))
+_f_q5_1_avx2_1, _f_q5_1_avx2_2, _f_q5_1_avx2_4 = (_GDOT_FAST[QT.Q5_1, "avx2", n] for n in (1, 2, 4))
 
 
 @njit(nogil=True, cache=True)
@@ -1111,6 +1174,210 @@ def _frows_q6_k_avx2(raw, xw, y, r0, r1, yoff):
                 t += 1
 
 
+@njit(nogil=True, cache=True)
+def _irows_q5_0_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q5_0_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q5_0_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q5_0_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q5_0_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q5_0_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q5_0_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q5_0_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q5_0_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q5_0_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q5_0_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q5_0_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q5_1_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q5_1_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q5_1_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q5_1_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q5_1_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q5_1_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q5_1_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q5_1_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q5_1_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q5_1_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q5_1_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q5_1_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q5_0_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q5_0_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q5_0_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q5_0_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q5_0_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q5_0_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q5_0_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q5_0_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q5_0_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q5_0_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q5_0_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q5_0_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q5_1_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q5_1_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q5_1_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q5_1_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q5_1_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q5_1_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q5_1_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q5_1_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q5_1_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q5_1_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q5_1_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q5_1_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
 # The pool's compute functions (the signature of quant_matvec's, see `quant_matvec.run_rows`):
 # x is the quantized activations (T, words), rows are weight rows (multiples of 16 per chunk).
 
@@ -1264,12 +1531,78 @@ def _cf_q6_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols,
                      carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
+def _c_q5_0_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q5_0_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q5_0_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q5_0_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q5_0_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q5_0_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q5_1_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q5_1_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q5_1_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q5_1_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q5_1_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q5_1_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q5_0_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q5_0_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q5_0_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q5_0_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q5_0_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q5_0_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q5_1_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q5_1_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q5_1_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q5_1_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q5_1_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q5_1_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
 _COMPUTE_PY = {
     (QT.Q4_0, "avx512vnni"): _c_q4_0_512, (QT.Q4_0, "avxvnni"): _c_q4_0_256, (QT.Q4_0, "avx2"): _c_q4_0_avx2,
     (QT.Q4_1, "avx512vnni"): _c_q4_1_512, (QT.Q4_1, "avxvnni"): _c_q4_1_256, (QT.Q4_1, "avx2"): _c_q4_1_avx2,
     (QT.Q8_0, "avx512vnni"): _c_q8_0_512, (QT.Q8_0, "avxvnni"): _c_q8_0_256, (QT.Q8_0, "avx2"): _c_q8_0_avx2,
     (QT.Q4_K, "avx512vnni"): _c_q4_k_512, (QT.Q4_K, "avxvnni"): _c_q4_k_256, (QT.Q4_K, "avx2"): _c_q4_k_avx2,
     (QT.Q6_K, "avx512vnni"): _c_q6_k_512, (QT.Q6_K, "avxvnni"): _c_q6_k_256, (QT.Q6_K, "avx2"): _c_q6_k_avx2,
+    (QT.Q5_0, "avx512vnni"): _c_q5_0_512,
+    (QT.Q5_0, "avxvnni"): _c_q5_0_256,
+    (QT.Q5_0, "avx2"): _c_q5_0_avx2,
+    (QT.Q5_1, "avx512vnni"): _c_q5_1_512,
+    (QT.Q5_1, "avxvnni"): _c_q5_1_256,
+    (QT.Q5_1, "avx2"): _c_q5_1_avx2,
 }
 _ROWS = {
     (QT.Q4_0, "avx512vnni"): _irows_q4_0_512, (QT.Q4_0, "avxvnni"): _irows_q4_0_256,
@@ -1280,6 +1613,12 @@ _ROWS = {
     (QT.Q4_K, "avxvnni"): _irows_q4_k_256, (QT.Q4_K, "avx2"): _irows_q4_k_avx2,
     (QT.Q6_K, "avx512vnni"): _irows_q6_k_512, (QT.Q6_K, "avxvnni"): _irows_q6_k_256,
     (QT.Q6_K, "avx2"): _irows_q6_k_avx2,
+    (QT.Q5_0, "avx512vnni"): _irows_q5_0_512,
+    (QT.Q5_0, "avxvnni"): _irows_q5_0_256,
+    (QT.Q5_0, "avx2"): _irows_q5_0_avx2,
+    (QT.Q5_1, "avx512vnni"): _irows_q5_1_512,
+    (QT.Q5_1, "avxvnni"): _irows_q5_1_256,
+    (QT.Q5_1, "avx2"): _irows_q5_1_avx2,
 }
 _COMPUTE_FAST_PY = {
     (QT.Q4_0, "avx512vnni"): _cf_q4_0_512, (QT.Q4_0, "avxvnni"): _cf_q4_0_256, (QT.Q4_0, "avx2"): _cf_q4_0_avx2,
@@ -1287,6 +1626,12 @@ _COMPUTE_FAST_PY = {
     (QT.Q8_0, "avx512vnni"): _cf_q8_0_512, (QT.Q8_0, "avxvnni"): _cf_q8_0_256, (QT.Q8_0, "avx2"): _cf_q8_0_avx2,
     (QT.Q4_K, "avx512vnni"): _cf_q4_k_512, (QT.Q4_K, "avxvnni"): _cf_q4_k_256, (QT.Q4_K, "avx2"): _cf_q4_k_avx2,
     (QT.Q6_K, "avx512vnni"): _cf_q6_k_512, (QT.Q6_K, "avxvnni"): _cf_q6_k_256, (QT.Q6_K, "avx2"): _cf_q6_k_avx2,
+    (QT.Q5_0, "avx512vnni"): _cf_q5_0_512,
+    (QT.Q5_0, "avxvnni"): _cf_q5_0_256,
+    (QT.Q5_0, "avx2"): _cf_q5_0_avx2,
+    (QT.Q5_1, "avx512vnni"): _cf_q5_1_512,
+    (QT.Q5_1, "avxvnni"): _cf_q5_1_256,
+    (QT.Q5_1, "avx2"): _cf_q5_1_avx2,
 }
 _ROWS_FAST = {
     (QT.Q4_0, "avx512vnni"): _frows_q4_0_512, (QT.Q4_0, "avxvnni"): _frows_q4_0_256,
@@ -1297,6 +1642,12 @@ _ROWS_FAST = {
     (QT.Q4_K, "avxvnni"): _frows_q4_k_256, (QT.Q4_K, "avx2"): _frows_q4_k_avx2,
     (QT.Q6_K, "avx512vnni"): _frows_q6_k_512, (QT.Q6_K, "avxvnni"): _frows_q6_k_256,
     (QT.Q6_K, "avx2"): _frows_q6_k_avx2,
+    (QT.Q5_0, "avx512vnni"): _frows_q5_0_512,
+    (QT.Q5_0, "avxvnni"): _frows_q5_0_256,
+    (QT.Q5_0, "avx2"): _frows_q5_0_avx2,
+    (QT.Q5_1, "avx512vnni"): _frows_q5_1_512,
+    (QT.Q5_1, "avxvnni"): _frows_q5_1_256,
+    (QT.Q5_1, "avx2"): _frows_q5_1_avx2,
 }
 _cfuncs: dict = {}
 _cfunc_lock = threading.Lock()

@@ -62,6 +62,15 @@ def weight_codes(raw: np.ndarray, ggml_type):
         codes = low | (((qh >> (2 * np.arange(4)[:, None])) & 3) << 4)
         d = (f16(b[:, :, 208:210])[..., None] * b[:, :, 192:208].view(np.int8).astype(np.float32)).astype(np.float32)
         return codes.reshape(rows, -1) - 32, d.reshape(rows, -1), None, 0
+    if ggml_type in (QT.Q5_0, QT.Q5_1):
+        size, qh_at = {QT.Q5_0: (22, 2), QT.Q5_1: (24, 4)}[ggml_type]
+        b = raw.reshape(rows, -1, size)
+        qh = b[:, :, qh_at : qh_at + 4].copy().view(np.uint32)[..., 0].astype(np.int64)
+        nib = b[:, :, qh_at + 4 :].astype(np.int64)
+        fifth = (qh[..., None] >> np.arange(32)) & 1
+        codes = np.concatenate([nib & 15, nib >> 4], axis=-1) | (fifth << 4)
+        m = f16(b[:, :, 2:4]) if ggml_type == QT.Q5_1 else None
+        return codes.reshape(rows, -1), f16(b[:, :, 0:2]), m, (16 if ggml_type == QT.Q5_0 else 0)
     size, codes_at = {QT.Q4_0: (18, 2), QT.Q4_1: (20, 4)}[ggml_type]
     b = raw.reshape(rows, -1, size)
     d = f16(b[:, :, 0:2])
