@@ -146,6 +146,24 @@ class MeasureKVProfile:
 
 
 @dataclass(frozen=True)
+class SetArith:
+    """The weight arithmetic the loaded model runs from now on, and every model loaded after it
+    ("exact" or "fast", engine.weights.ARITH_MODES; answered by ``arithApplied``)."""
+
+    mode: str
+
+
+@dataclass(frozen=True)
+class MeasureArithCost:
+    """Measure what the fast arithmetic costs the loaded model: mean KL of its next-token
+    distributions against exact arithmetic's (both with 16-bit KV) over ``n_tokens`` of the
+    shipped calibration text (engine.evaluate.evaluate_kv); ``cancel`` set: stop at the next pass."""
+
+    cancel: threading.Event
+    n_tokens: int = 256
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Close the session (the last request before the thread quits)."""
 
@@ -187,6 +205,10 @@ class ModelInfo:
     default_ctx: int = 0        # the model's context, capped by what fits in memory at the KV
                                 # setting (engine.fit.default_context): the panel's default
     remote_model: str = ""      # remote: the server's model id answering (its /v1/models id)
+    model_id: str = ""          # the file's sha256 (Engine.model_id): the key of per-model data
+    arith: str = ""             # the weight arithmetic it runs (engine.weights.ARITH_MODES; "float":
+                                # no integer kernels, or loaded with OMLX_ARITH=float)
+    arith_error: str = ""       # why it does not run the arithmetic the app asks for
 
     def as_dict(self) -> dict:
         """The form the window and the KV panel read (``info["name"]``, ``info["geometry"]``)."""
@@ -231,6 +253,27 @@ class KVProfileReady:
     model_path: str
     profile: object
     from_store: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ArithApplied:
+    """The arithmetic the loaded model runs after a SetArith ("" without a local model), and the
+    failure when it cannot run the one asked for."""
+
+    mode: str
+    failure: Failure | None = None
+
+
+@dataclass(frozen=True)
+class ArithCost:
+    """What the fast arithmetic costs the model ``model_id``: mean KL (nats) and top-1 agreement
+    of its next-token distributions against exact arithmetic's over ``n_tokens``."""
+
+    model_id: str
+    mean_kl: float
+    top1_agreement: float
+    n_tokens: int
     seconds: float
 
 

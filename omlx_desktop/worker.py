@@ -30,10 +30,10 @@ from engine.errors import OmlxError
 from engine.fit import DOES_NOT_FIT
 
 from .protocol import (
-    AddDocument, Configure, ConnectRemote, DocumentAdded, DocumentFailed, DocumentInfo, DocumentPinned,
-    DocumentsChanged, Failure, FetchModel, FitCheck, KVApplied, KVProfileReady, ListRemoteModels, LoadModel,
-    MeasureKVProfile, ModelInfo, OpenConversation, RemoteModels, RemoveDocument, SendMessage, SetDocMode,
-    SetPinned, Shutdown, TurnFailed, TurnFinished,
+    AddDocument, ArithApplied, ArithCost, Configure, ConnectRemote, DocumentAdded, DocumentFailed, DocumentInfo,
+    DocumentPinned, DocumentsChanged, Failure, FetchModel, FitCheck, KVApplied, KVProfileReady, ListRemoteModels,
+    LoadModel, MeasureArithCost, MeasureKVProfile, ModelInfo, OpenConversation, RemoteModels, RemoveDocument,
+    SendMessage, SetArith, SetDocMode, SetPinned, Shutdown, TurnFailed, TurnFinished,
 )
 
 log = logging.getLogger("omlx.desktop.worker")
@@ -73,6 +73,10 @@ class KVHolder:
     def read(self) -> tuple[int, int]:
         with self._lock:
             return self._value
+
+
+class _Cancelled(Exception):
+    """Raised from a progress callback to stop an engine call that takes no cancel Event."""
 
 
 class _EitherEvent:
@@ -129,6 +133,10 @@ class EngineWorker(QObject):
     kvProfileProgress = Signal(str, float)      # stage, fraction done
     kvProfileReady = Signal(object)             # KVProfileReady
     kvProfileFailed = Signal(object)            # Failure (kind "cancelled" when cancelled)
+    # the KV panel's arithmetic setting
+    arithApplied = Signal(object)               # ArithApplied
+    arithCostReady = Signal(object)             # ArithCost
+    arithCostFailed = Signal(object)            # Failure (kind "cancelled" when cancelled)
 
     def __init__(self, kv_holder: KVHolder | None = None):
         super().__init__()
@@ -140,6 +148,7 @@ class EngineWorker(QObject):
         self.spec: str | None = None            # wanted KV spec (None: the default preset)
         self.ctx: int | None = None
         self.overflow = "rolling"
+        self.arith = "exact"                    # wanted weight arithmetic (SetArith)
         # Set by the window when it closes (from the UI thread: an Event is safe to share):
         # prefills stop at their next chunk and queued requests are skipped.
         self.abort = threading.Event()
@@ -150,6 +159,7 @@ class EngineWorker(QObject):
             RemoveDocument: self.remove_document, MeasureKVProfile: self.measure_kv_profile,
             SetDocMode: self.set_doc_mode, Shutdown: self.shutdown,
             ListRemoteModels: self.list_remote_models, ConnectRemote: self.connect_remote,
+            SetArith: self.set_arith, MeasureArithCost: self.measure_arith_cost,
         }
 
     @Slot(object)
@@ -179,6 +189,10 @@ class EngineWorker(QObject):
             self.documentFailed.emit(DocumentFailed(request.conv, request.key, failure))
         elif isinstance(request, MeasureKVProfile):
             self.kvProfileFailed.emit(failure)
+        elif isinstance(request, MeasureArithCost):
+            self.arithCostFailed.emit(failure)
+        elif isinstance(request, SetArith):
+            self.arithApplied.emit(ArithApplied(self.engine.arith if self.engine is not None else "", failure))
         elif isinstance(request, ListRemoteModels):
             self.remoteModels.emit(RemoteModels(request.base_url, (), failure))
         else:
@@ -231,9 +245,10 @@ class EngineWorker(QObject):
                     # the window trims them to the model's layers and configures again
                     log.info("KV setting %s does not fit %s (%s); using %s until the next "
                              "setting", self.spec, engine.name, exc, engine.kv_config)
+            arith_error = self._use_arith(engine)
             # all of the new model's description before it replaces the loaded one: a failure
             # here leaves the previous model (and its conversation) answering
-            info = self._model_info(engine)
+            info = replace(self._model_info(engine), arith_error=arith_error)
             if estimate is not None:
                 info = replace(info, fit_verdict=estimate.verdict, fit_summary=estimate.summary())
         except Exception as exc:
@@ -323,6 +338,8 @@ class EngineWorker(QObject):
             geometry={"n_layers": g.n_layers, "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim,
                       "value_dim": g.value_dim, "windows": list(g.windows)},
             default_ctx=self._max_ctx(e),
+            model_id=e.model_id,
+            arith=e.arith,
         )
 
     # -- settings -------------------------------------------------------------------------
@@ -535,6 +552,8 @@ class EngineWorker(QObject):
         if stopped_in is not None:
             stats["engine_stop_s"] = stopped_in   # Stop pressed -> the engine's loop ended
         stats["kv_spec"] = str(self.engine.kv_config) if self.engine is not None else "remote"
+        if self.engine is None:
+            stats.pop("arith", None)          # the server's own arithmetic, unknown here
         stats["retrieved"] = list(getattr(gen, "retrieved", []))  # sections the answer was shown
         self.turnFinished.emit(TurnFinished(rid, result.text, result.finish_reason, stats))
         self.documentsChanged.emit(self._documents(self.conv))
@@ -655,6 +674,71 @@ class EngineWorker(QObject):
             return
         self.kvProfileReady.emit(KVProfileReady(str(self.engine.path), profile, from_store,
                                                 time.perf_counter() - t0))
+
+    # -- weight arithmetic ----------------------------------------------------------------
+    def _use_arith(self, engine) -> str:
+        """Switches ``engine`` to the wanted arithmetic; returns why it cannot ('' when it runs it,
+        or when exact is wanted of a model that has only float: nothing the user can change)."""
+        from engine.errors import SettingsError
+
+        if engine.arith == self.arith or (engine.arith == "float" and self.arith == "exact"):
+            return ""
+        try:
+            engine.set_arith(self.arith)
+        except SettingsError as exc:
+            log.info("%s arithmetic refused for %s: %s", self.arith, engine.name, exc.user_message)
+            return exc.user_message
+        return ""
+
+    def set_arith(self, request: SetArith) -> None:
+        """The wanted arithmetic, applied at once to the loaded model (a setting error is reported,
+        the model keeps the arithmetic it had) and to every model loaded later. Pinned documents
+        are read again in it, as after a KV format switch: KV blocks depend on the arithmetic."""
+        from engine.errors import SettingsError
+        from engine.weights import check_arith
+
+        self.arith = check_arith(request.mode)
+        e = self.engine
+        if e is None:
+            self.arithApplied.emit(ArithApplied(""))
+            return
+        before = e.arith
+        error = self._use_arith(e)
+        failure = Failure(SettingsError.kind, error) if error else None
+        self.arithApplied.emit(ArithApplied(e.arith, failure))
+        if e.arith != before and self.session is not None and any(d.pinned for d in self.session.documents):
+            self._prepare_pinned(self.conv)
+
+    def measure_arith_cost(self, request: MeasureArithCost) -> None:
+        """The fast arithmetic's mean KL against exact on the loaded model, over the start of the
+        shipped calibration text; it stops between its two passes when the request's cancel or the
+        window's abort is set."""
+        from engine import kvtune
+        from engine.errors import EngineError
+        from engine.evaluate import evaluate_kv
+
+        cancel = _EitherEvent(request.cancel, self.abort)
+
+        def check(_stage: str, _fraction: float) -> None:
+            if cancel.is_set():
+                raise _Cancelled
+
+        t0 = time.perf_counter()
+        try:
+            e = self.engine
+            if e is None:
+                raise EngineError("no local model is loaded: load one before measuring its arithmetic")
+            check("", 0.0)
+            tokens = kvtune.default_calibration_tokens(e, request.n_tokens)
+            quality = evaluate_kv(e, tokens, ["full"], progress=check, arith="fast")[0]
+        except _Cancelled:
+            self.arithCostFailed.emit(Failure("cancelled", "the measurement was cancelled"))
+            return
+        except Exception as exc:
+            self.arithCostFailed.emit(failure_of(exc, "measuring the fast arithmetic failed"))
+            return
+        self.arithCostReady.emit(ArithCost(e.model_id, float(quality.mean_kl), float(quality.top1_agreement),
+                                           len(tokens) - 1, time.perf_counter() - t0))
 
     def shutdown(self, _request: Shutdown | None = None) -> None:
         self._close_session()
