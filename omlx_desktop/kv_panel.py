@@ -13,6 +13,11 @@ slider) from the model's sensitivity profile (engine.kvtune): the panel asks for
 ``tuneRequested`` (the window's AutoTuneController has the worker measure it or read it back) and
 solves the choice itself on every move of the slider; until a profile arrives the setting stays
 what it was.
+
+Beside the preset, the weight arithmetic (exact or fast, engine.weights.ARITH_MODES): not part of
+the KV setting but kept in the panel's state with it. Choosing one emits ``arithChanged(mode)``;
+the window's ArithController applies it in the worker and tells the panel what the model runs
+(:meth:`show_arith`) and what fast costs it (:meth:`show_arith_cost`, measured once per model).
 """
 
 from __future__ import annotations
@@ -44,6 +49,15 @@ OVERFLOW_LABELS = {
 DEFAULT_CTX = 4096
 MIN_CTX = 64
 SETTINGS_FILTER = "KV settings (*.json *.toml);;All files (*)"
+ARITH_CHOICES = (   # (mode, label, what it costs)
+    ("exact", "Exact", "Integer kernels with 16-bit activations: reference-grade accuracy "
+                       "(the answers of the float kernels, within a mean KL of 1e-5)"),
+    ("fast", "Fast (int8, llama.cpp-like)", "int8 activations, as llama.cpp computes: faster prompt "
+                                           "reading at a small accuracy cost, measured on the loaded model"),
+)
+ARITH_OFFERED = tuple(mode for mode, _, _ in ARITH_CHOICES)
+ERROR_STYLE = "color: #dc2626;"
+NOTE_STYLE = "color: palette(mid);"
 
 
 def _within(overrides: dict[int, tuple[int, int]], n_layers: int | None) -> dict[int, tuple[int, int]]:
@@ -185,6 +199,7 @@ class KVPanel(QWidget):
     tuneRequested = Signal()           # Auto needs the loaded model's sensitivity profile
     tuneCancelled = Signal()           # the user cancelled the running measurement
     importFailed = Signal(str)         # a KV settings file that cannot be used: why (also shown here)
+    arithChanged = Signal(str)         # the user chose a weight arithmetic ("exact" or "fast")
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -209,6 +224,12 @@ class KVPanel(QWidget):
         self._tuning = False
         self._tune_message = ""
         self._model_path: str | None = None
+        # the weight arithmetic: the one chosen, the one the loaded model runs (None: no model or
+        # not known yet), why it cannot run the chosen one, and the note on fast's cost
+        self._arith = "exact"
+        self._running_arith: str | None = None
+        self._arith_error = ""
+        self._arith_note = ("", False, "")     # (text, is an error, tooltip)
 
         # presets and high-precision mode
         self.preset_box = QComboBox()
@@ -221,6 +242,17 @@ class KVPanel(QWidget):
         self.import_button.setToolTip(
             "Load KV cache settings from a JSON or TOML file: this app's keys (k_bits, v_bits, layers, "
             "preset, spec, ...) or llama.cpp's cache_type_k / cache_type_v")
+        self.arith_box = QComboBox()
+        for mode, label, cost in ARITH_CHOICES:
+            self.arith_box.addItem(label, mode)
+            self.arith_box.setItemData(self.arith_box.count() - 1, cost, Qt.ItemDataRole.ToolTipRole)
+        self.arith_box.setToolTip("The weight products' arithmetic (not the KV cache's)\n"
+                                  + "\n".join(f"{label}: {cost}" for _, label, cost in ARITH_CHOICES))
+        self.arith_label = QLabel()      # what fast costs this model, or why it cannot switch
+        self.arith_label.setWordWrap(True)
+        self.arith_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.arith_label.setStyleSheet(NOTE_STYLE)
+        self.arith_label.setVisible(False)
         self.high_precision = QCheckBox("High-precision mode (K8V8)")
         self.high_precision.setToolTip(
             "Switch every layer to 8-bit keys and values; switching it off restores the setting before")
@@ -256,6 +288,8 @@ class KVPanel(QWidget):
         preset_row.addWidget(self.preset_box, 1)
         preset_row.addWidget(self.import_button)
         form.addRow("Preset", preset_row)
+        form.addRow("Arithmetic", self.arith_box)
+        form.addRow("", self.arith_label)
         form.addRow("Context", self.ctx_spin)
         form.addRow("At the limit", self.overflow_box)
 
@@ -317,7 +351,8 @@ class KVPanel(QWidget):
         self.import_button.clicked.connect(self._choose_settings_file)
         self.k_slider.valueChanged.connect(lambda _: self._slider_moved())
         self.v_slider.valueChanged.connect(lambda _: self._slider_moved())
-        for box in (self.preset_box, self.overflow_box):
+        self.arith_box.activated.connect(self._arith_chosen)
+        for box in (self.preset_box, self.overflow_box, self.arith_box):
             box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
             box.setMinimumContentsLength(14)
         self.high_precision.toggled.connect(self.set_high_precision)
@@ -383,7 +418,8 @@ class KVPanel(QWidget):
         """Everything needed to restore the panel (JSON-able)."""
         return {**self._core(), "high_precision": self._hp, "before_high_precision": self._before_hp,
                 "ctx": self.ctx_spin.value(), "ctx_chosen": self._ctx_chosen, "overflow": self.overflow(),
-                "advanced_open": self.advanced_button.isChecked(), "auto_position": self._auto_position}
+                "advanced_open": self.advanced_button.isChecked(), "auto_position": self._auto_position,
+                "arith": self._arith}
 
     def set_state(self, state: dict | None) -> None:
         if not state:
@@ -405,6 +441,9 @@ class KVPanel(QWidget):
             if isinstance(position, int) and 0 <= position <= AUTO_STEPS:
                 self._auto_position = position
                 self.auto_slider.setValue(position)
+            if state.get("arith") in ARITH_OFFERED:
+                self._arith = state["arith"]
+                self.arith_box.setCurrentIndex(self.arith_box.findData(self._arith))
         finally:
             self._updating = False
         self._changed()
@@ -430,11 +469,15 @@ class KVPanel(QWidget):
     # -- the model ------------------------------------------------------------------------
     def set_model(self, info: dict | None) -> None:
         """The loaded model (the worker's model info): its geometry for the estimate, its
-        layers for the table, its context length as the context's maximum."""
+        layers for the table, its context length as the context's maximum, the arithmetic it runs."""
         path = info.get("path") if info else None
         if self._profile is not None and path != self._model_path:
             self._profile, self._auto_choice = None, None   # another model's profile
+        if path != self._model_path:
+            self._arith_note = ("", False, "")              # another model's cost
         self._model_path = path
+        known = info or {}
+        self.show_arith(known.get("arith") or None, known.get("arith_error", ""))
         self._geometry = info["geometry"] if info else None
         self._n_layers = self._geometry["n_layers"] if self._geometry else None
         self._max_ctx = info["context_length"] if info else None
@@ -565,7 +608,7 @@ class KVPanel(QWidget):
             self.import_settings(path)
 
     def _show_import(self, text: str, error: bool = False) -> None:
-        self.import_label.setStyleSheet("color: #dc2626;" if error else "color: palette(mid);")
+        self.import_label.setStyleSheet(ERROR_STYLE if error else NOTE_STYLE)
         self.import_label.setText(text)
         self.import_label.setVisible(bool(text))
 
@@ -597,6 +640,73 @@ class KVPanel(QWidget):
         self.advanced_button.setArrowType(Qt.ArrowType.DownArrow if open_ else Qt.ArrowType.RightArrow)
         if not self._updating:
             self.settingsChanged.emit(self.settings())
+
+    # -- the weight arithmetic ------------------------------------------------------------
+    def arith(self) -> str:
+        """The chosen arithmetic ("exact" or "fast"), whatever the loaded model runs."""
+        return self._arith
+
+    def running_arith(self) -> str | None:
+        """The arithmetic the loaded model runs (None: no model, or not known yet)."""
+        return self._running_arith
+
+    def select_arith(self, mode: str) -> None:
+        """As choosing it in the box."""
+        index = self.arith_box.findData(mode)
+        if index < 0:
+            raise ValueError(f"no arithmetic {mode!r}")
+        self.arith_box.setCurrentIndex(index)
+        self._arith_chosen(index)
+
+    def _arith_chosen(self, index: int) -> None:
+        mode = self.arith_box.itemData(index)
+        if mode == self._arith:
+            return
+        self._arith = mode
+        self.arithChanged.emit(mode)
+
+    def show_arith(self, running: str | None, error: str = "") -> None:
+        """What the loaded model runs, and why not the chosen arithmetic (``error``). A model
+        on the float kernels cannot switch: the box is disabled (the choice stays for the next
+        model)."""
+        self._running_arith = running
+        self._arith_error = error
+        self._refresh_arith()
+
+    def arith_measuring(self) -> None:
+        self._arith_note = ("Fast: measuring its cost on this model…", False, "")
+        self._refresh_arith()
+
+    def show_arith_cost(self, mean_kl: float, top1_agreement: float, n_tokens: int) -> None:
+        """The fast arithmetic's cost on the loaded model (ArithCost's figures)."""
+        self._arith_note = (f"Fast: mean KL {mean_kl:.4f} vs exact (measured on this model)", False,
+                            f"Over {n_tokens} tokens of the calibration text, both with 16-bit KV: mean KL "
+                            f"{mean_kl:.5f} nats, the same top token at {top1_agreement:.1%} of positions")
+        self._refresh_arith()
+
+    def arith_cost_failed(self, kind: str, message: str) -> None:
+        cancelled = kind == "cancelled"     # by a load: the next model's figure follows
+        self._arith_note = ("", False, "") if cancelled else (f"Cannot measure fast's cost: {message}", True, "")
+        self._refresh_arith()
+
+    def arith_note(self) -> str:
+        """The note under the arithmetic box as plain text ('' when hidden)."""
+        return self.arith_label.text() if self.arith_label.isVisibleTo(self) else ""
+
+    def _refresh_arith(self) -> None:
+        self.arith_box.setCurrentIndex(self.arith_box.findData(self._arith))
+        float_only = self._running_arith == "float"
+        self.arith_box.setEnabled(not float_only)
+        if self._arith_error:
+            text, error, tip = f"Not available for this model: {self._arith_error}", True, ""
+        elif float_only:
+            text, error, tip = "This model runs on the float kernels: exact and fast need integer ones.", False, ""
+        else:
+            text, error, tip = self._arith_note
+        self.arith_label.setText(text)
+        self.arith_label.setToolTip(tip)
+        self.arith_label.setStyleSheet(ERROR_STYLE if error else NOTE_STYLE)
+        self.arith_label.setVisible(bool(text))
 
     # -- the Auto preset ------------------------------------------------------------------
     def _request_profile(self) -> None:
@@ -780,6 +890,7 @@ class KVPanel(QWidget):
             self.spec_label.setText(f"Spec: {config}")
             self._update_estimate(config)
             self._refresh_auto()
+            self._refresh_arith()
         finally:
             self._updating = False
 
