@@ -71,6 +71,7 @@ LOCAL, REMOTE = "local", "remote"   # the setting model_source: what the app com
 
 
 class ModelController(QObject):
+    loadStarted = Signal(str)       # a load or a connection to a server begins (its spec or URL)
     loaded = Signal(object)         # the model info dict
     failed = Signal(str)            # no model: a fetch or load failed (the message shown)
 
@@ -169,6 +170,7 @@ class ModelController(QObject):
             w.fetch_progress.show()
             w.welcome_status.setText(f"Loading {name}…")
         w.update_buttons()
+        self.loadStarted.emit(str(spec))
         w.request(LoadModel(str(spec), force=force))
 
     def connect_remote(self, base_url: str, api_key: str | None, model: str | None) -> None:
@@ -184,6 +186,7 @@ class ModelController(QObject):
             w.model_label.setText(f"Connecting to <b>{html.escape(base_url)}</b>…")
             w.welcome_status.setText(f"Connecting to {base_url}…")
         w.update_buttons()
+        self.loadStarted.emit(base_url)
         w.request(ConnectRemote(base_url, api_key, model))
 
     def open_dialog(self) -> None:

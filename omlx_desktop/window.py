@@ -2,6 +2,7 @@
 controllers that give the widgets their behaviour, wired together here.
 
     models          ModelController         fetch / load state machine, KV settings (model_controller.py)
+    arith           ArithController         the weight arithmetic setting and its cost (arith.py)
     hub_dialog      HubDialog               File → Download from Hugging Face… (hub_dialog.py)
     remote_dialog   RemoteDialog            File → Connect to a server… (remote_dialog.py)
     conversations   ConversationsController the conversation list, opening one (conversations.py)
@@ -31,6 +32,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMenu
 
 from . import applog
+from .arith import ArithController
 from .autotune import AutoTuneController
 from .chat import ChatController, Turn, stats_text
 from .conversations import ConversationsController
@@ -104,6 +106,7 @@ class MainWindow(QMainWindow):
         except Exception:  # a damaged setting must not keep the app from starting
             log.exception("ignoring the saved KV settings %r", panel_state)
         self.request(Configure.from_panel(self.kv_panel.settings()))
+        self.arith = ArithController(self)          # sends the restored choice before the model loads
         self.kv_panel.settingsChanged.connect(self.models.on_kv_settings_changed)
         self.kv_panel.importFailed.connect(
             lambda message: self.show_error(f"Cannot use these KV settings: {message}", "settings"))

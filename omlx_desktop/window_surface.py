@@ -1,7 +1,7 @@
 """What the main window's controllers use of the window, as a :class:`typing.Protocol`.
 
-The controllers (model_controller, conversations, chat, documents, autotune, remote_dialog,
-smoke) are given the window and annotate it as :class:`WindowSurface` rather than importing
+The controllers (model_controller, conversations, chat, documents, autotune, arith,
+remote_dialog, smoke) are given the window and annotate it as :class:`WindowSurface` rather than importing
 :mod:`.window`, which imports them: the window satisfies the Protocol by its shape, nothing
 registers it. The sibling controllers a controller reaches through the window (``w.models``,
 ``w.conversations``, ``w.chat``, ``w.docs``) are Protocols here too, for the same reason.
@@ -37,6 +37,7 @@ class ModelsSurface(Protocol):
     """``window.models`` (a ModelController), as the other controllers use it."""
 
     model_info: dict | None
+    loadStarted: SignalInstance
     loaded: SignalInstance
     failed: SignalInstance
 

@@ -20,7 +20,7 @@ from omlx_desktop.window_surface import (  # noqa: E402
 )
 
 PACKAGE = Path(__file__).resolve().parents[1] / "omlx_desktop"
-CONTROLLERS = ("autotune", "chat", "conversations", "documents", "model_controller",
+CONTROLLERS = ("arith", "autotune", "chat", "conversations", "documents", "model_controller",
                "remote_dialog", "smoke")
 SIBLINGS = {"models": ModelsSurface, "conversations": ConversationsSurface, "chat": ChatSurface,
             "docs": DocsSurface}
