@@ -61,7 +61,8 @@ def stats_text(stats: dict) -> str:
         return "  ·  ".join(p.replace(" ", "\u00a0") for p in parts)
     parts = [
         f"TTFT {stats.get('ttft_s', 0):.2f} s",
-        f"{stats.get('decode_tok_s', 0):.1f} tok/s",
+        f"{stats.get('decode_tok_s', 0):.1f} tok/s"
+        + (" (fast arithmetic)" if stats.get("arith") == "fast" else ""),
         f"{stats.get('generated_tokens', 0)} tokens",
         f"cache: {cached:,} of {prompt:,} prompt tokens reused" + (f" ({source})" if cached else ""),
         f"dropped {stats.get('dropped_tokens', 0):,}",
