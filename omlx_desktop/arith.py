@@ -97,7 +97,7 @@ class ArithController(QObject):
         error = applied.failure.message if applied.failure is not None else ""
         self.w.kv_panel.show_arith(applied.mode or None, error)
         self._show_refusal(error, applied.failure)
-        if applied.mode:
+        if applied.mode and not error:
             self.w.statusBar().showMessage(f"Weight arithmetic: {applied.mode}", 5000)
         self._show_or_measure()
 

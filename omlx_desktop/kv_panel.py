@@ -289,7 +289,7 @@ class KVPanel(QWidget):
         preset_row.addWidget(self.import_button)
         form.addRow("Preset", preset_row)
         form.addRow("Arithmetic", self.arith_box)
-        form.addRow("", self.arith_label)
+        form.addRow(self.arith_label)
         form.addRow("Context", self.ctx_spin)
         form.addRow("At the limit", self.overflow_box)
 
