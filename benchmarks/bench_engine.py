@@ -212,8 +212,12 @@ def main() -> None:
     parser.add_argument("--prefill-pairs", type=int, default=5,
                         help="alternating prefills of ours and llama.cpp's per case (0: none)")
     parser.add_argument("--llama-venv", help="a venv with llama-cpp-python: its site-packages go after ours")
+    parser.add_argument("--arith", choices=("exact", "fast", "float"),
+                        help="our weight arithmetic (default: OMLX_ARITH, else exact)")
     parser.add_argument("--rss-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.arith:
+        os.environ["OMLX_ARITH"] = args.arith  # read when each model loads (RSS workers inherit it)
     if args.llama_venv:
         add_llama_venv(args.llama_venv)
     if args.rss_worker:
