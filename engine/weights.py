@@ -503,12 +503,18 @@ class WeightStore:
 
             # compile / load the kernels of the matrix types this file uses, logging the time (the
             # thread pool's own functions: Engine.load's warm-up, or the first call that uses it)
-            matrix_types = {i.ggml_type for i in gguf.tensors.values() if len(i.shape) == 2}
-            quant_matvec.warm_up(matrix_types, pool=False)
-            from .kernels import int_dot, int_matvec
+            # (a type whose matrices all take the integer kernels needs no float kernel, only
+            # its row dequantizer when it is the token table: embedding lookups read rows)
+            matrices = {name: i for name, i in gguf.tensors.items() if len(i.shape) == 2}
+            arith = {name: weight_arith(i.ggml_type, *i.shape) for name, i in matrices.items()}
+            on_int = {i.ggml_type for name, i in matrices.items() if arith[name] == "int"}
+            on_float = {i.ggml_type for name, i in matrices.items() if arith[name] == "float"}
+            tables = {i.ggml_type for name, i in matrices.items() if name.startswith("token_embd")}
+            quant_matvec.warm_up(on_float, pool=False, rows_only=tables & on_int)
+            if on_int:
+                from .kernels import int_dot, int_matvec
 
-            if int_dot.kernel_isa() != "float":
-                int_matvec.warm_up(matrix_types, int_dot.kernel_isa())
+                int_matvec.warm_up(on_int, int_dot.kernel_isa())
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors

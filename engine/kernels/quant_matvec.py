@@ -1702,6 +1702,7 @@ def dequantize_rows(ggml_type: QT, raw: np.ndarray, rows: np.ndarray, out: np.nd
 
 
 _warm: set[QT] = set()
+_warm_rows: set = set()  # types whose row dequantizer alone is ready (warm_up's rows_only)
 # True while `defer_pool` holds the pool back (its functions not compiled yet): matvecs then run on
 # the calling thread alone, the same products (each output row is one thread's dot product either way)
 _pool_deferred = False
@@ -1712,13 +1713,22 @@ def _cache_misses(funcs) -> int:
     return sum(sum(f.stats.cache_misses.values()) for f in funcs)
 
 
-def warm_up(ggml_types, pool: bool = True) -> float:
+def warm_up(ggml_types, pool: bool = True, rows_only=()) -> float:
     """Compile, or load from numba's on-disk cache, the kernels of these types (once per process)
     and run them on a tiny input; logs how long that took. Returns the seconds spent.
 
-    A type costs its compute function (`_compute_address`) and its row dequantizer. pool=True also
-    makes the work-sharing pool's functions ready (`warm_up_pool`, once per process); pool=False
-    leaves them to the caller (`defer_pool` + `warm_up_pool` in a background thread)."""
+    A type costs its compute function (`_compute_address`) and its row dequantizer; a type in
+    `rows_only` (a table whose products take the integer kernels, read by row for embedding
+    lookups) only its row dequantizer. pool=True also makes the work-sharing pool's functions
+    ready (`warm_up_pool`, once per process); pool=False leaves them to the caller (`defer_pool`
+    + `warm_up_pool` in a background thread)."""
+    for t in sorted({QT(t) for t in rows_only if QT(t) in _KERNELS} - _warm - _warm_rows, key=lambda t: t.name):
+        bs, ts = block_shape(t)
+        t0 = time.perf_counter()
+        dequantize_rows(t, np.zeros((1, 256 // bs * ts), np.uint8), np.zeros(1, np.int64),
+                        np.empty((1, 256), np.float32))
+        _warm_rows.add(t)
+        log.info("%s row dequantizer ready in %.2f s", t.name, time.perf_counter() - t0)
     todo = sorted({QT(t) for t in ggml_types if QT(t) in _KERNELS} - _warm, key=lambda t: t.name)
     seconds = 0.0
     if todo:
