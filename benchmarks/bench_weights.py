@@ -134,6 +134,7 @@ def kernel_table(mib: int, rounds: int) -> None:
     from gguf.constants import GGMLQuantizationType as QT
 
     from engine.kernels import quant_matvec as qm
+    from engine.kernels.pool import kernel_threads
 
     cols, tile_rows = 4096, 256
     rng = np.random.default_rng(0)
@@ -170,7 +171,7 @@ def kernel_table(mib: int, rounds: int) -> None:
                 qm.dequantize_rows(qtype, raw, ids + start, tile)
             times[name]["tile"].append(time.perf_counter() - t0)
     print(f"fused kernels, (rows, {cols}) matrices of ~{mib} MiB of blocks, median of {rounds} rounds, "
-          f"{qm.kernel_threads()} kernel threads")
+          f"{kernel_threads()} kernel threads")
     print(f"{'type':7s} {'B/value':>7s} {'matvec 1 thread GB/s':>20s} {'matvec pool GB/s':>16s} "
           f"{'tile dequantize Gvalues/s':>25s}")
     for name, (qtype, raw, mv) in cases.items():

@@ -32,7 +32,7 @@ from .kv.paged_attention import (
 )
 
 if HAVE_NUMBA:
-    from .kernels import quant_matvec
+    from .kernels import pool
 
 POOL_KERNELS = "matvec thread pool"
 WARM_UP_ENV = "OMLX_KERNEL_WARMUP"  # "background" (default) or "wait": compile everything before the first token
@@ -125,15 +125,15 @@ def start_warm_up(wait: bool | None = None) -> None:
     _compile_rope()
     if wait:
         norms._compile_norms()
-        quant_matvec.warm_up_pool()
+        pool.warm_up_pool()
         warm_up_attention()
         return
-    quant_matvec.defer_pool()
+    pool.defer_pool()
     kv = "engine.kernels.kv_codes"
     background.start([
         (norms.NORM_KERNELS, "engine.kernels.norms:_compile_norms", ["engine.kernels.norms:_rms_rows"]),
-        (POOL_KERNELS, "engine.kernels.quant_matvec:warm_up_pool",
-         ["engine.kernels.quant_matvec:_pool_matvec", "engine.kernels.quant_matvec:_worker_loop"]),
+        (POOL_KERNELS, "engine.kernels.pool:warm_up_pool",
+         ["engine.kernels.pool:_pool_matvec", "engine.kernels.pool:_worker_loop"]),
         (BATCHED_KERNELS, f"{__name__}:_compile_batched", [f"{kv}:masked_softmax"]),
         (DECODE_KERNELS, f"{__name__}:_compile_decode", [f"{kv}:decode_attention"]),
         (PACKED_KERNELS, f"{__name__}:_compile_packed", [f"{kv}:_run"]),

@@ -282,7 +282,7 @@ def _dequantize_helper():
             if not _helper_made:
                 import concurrent.futures
 
-                from .kernels.quant_matvec import kernel_threads
+                from .kernels.pool import kernel_threads
 
                 if kernel_threads() > 1:
                     _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omlx-dequantize")

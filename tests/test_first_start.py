@@ -47,14 +47,14 @@ def test_warm_up_compiles_only_the_types_asked_for():
     proc = _python("""
         import json, numpy as np
         from gguf.constants import GGMLQuantizationType as QT
-        from engine.kernels import quant_matvec as qm
+        from engine.kernels import pool, quant_matvec as qm
         qm.warm_up([QT.Q4_0])
         raw = np.zeros((4096, 18 * 8), np.uint8)  # 4096 rows of 256 values: many chunks, the pool's path
         y = qm.matvec(QT.Q4_0, raw, np.ones((1, 256), np.float32))
         kernels = [name for name in dir(qm) if name.startswith(("_rows_", "_dq_"))]
         print(json.dumps({"cfuncs": sorted(t.name for t in qm._compute_cfuncs),
                           "compiled": sorted(n for n in kernels if getattr(qm, n).signatures),
-                          "pool_ready": qm._pool_warm, "y": float(np.abs(y).max())}))
+                          "pool_ready": pool._pool_warm, "y": float(np.abs(y).max())}))
     """)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -69,6 +69,7 @@ def test_deferred_pool_gives_the_same_products(monkeypatch):
     calling thread alone: the same numbers, bit for bit (each output row is one thread's dot)."""
     from gguf.constants import GGMLQuantizationType as QT
 
+    from engine.kernels import pool
     from engine.kernels import quant_matvec as qm
 
     from .test_quant_kernels import quantized_from_floats
@@ -78,7 +79,7 @@ def test_deferred_pool_gives_the_same_products(monkeypatch):
     x = rng.standard_normal((2, 512)).astype(np.float32)
     qm.warm_up([QT.Q8_0])
     shared = qm.matvec(QT.Q8_0, raw, x)
-    monkeypatch.setattr(qm, "_pool_deferred", True)
+    monkeypatch.setattr(pool, "_pool_deferred", True)
     alone = qm.matvec(QT.Q8_0, raw, x)
     np.testing.assert_array_equal(shared, alone)
 
@@ -190,11 +191,11 @@ def test_background_loads_cached_groups_without_a_child(fresh_groups, monkeypatc
 
 
 def test_in_cache_probe_reads_numba_index():
-    from engine.kernels import quant_matvec as qm
+    from engine.kernels import pool
 
     assert not background._in_cache("gc:collect")  # not a numba dispatcher
-    qm.warm_up_pool()
-    assert background._in_cache("engine.kernels.quant_matvec:_pool_matvec")
+    pool.warm_up_pool()
+    assert background._in_cache("engine.kernels.pool:_pool_matvec")
 
 
 def test_warm_up_mode_is_validated(monkeypatch):

@@ -195,15 +195,15 @@ def test_a_matrix_of_more_chunks_than_the_pool_has_slots(qtype):
     16 rows, 4,097 of them, past the pool's 4,096 chunk slots (this once overwrote memory). The
     chunk grows instead, in whole 16-row groups. The rows are one 16-row group repeated, so every
     chunk must give that group's bits."""
-    from engine.kernels.quant_matvec import _MAX_CHUNKS, CHUNK_BYTES
+    from engine.kernels.pool import CHUNK_BYTES, MAX_CHUNKS
 
     t = int_matvec.INT_TYPES[qtype]
     cols = -(-(CHUNK_BYTES // 16) // t.nbytes) * t.values
     group = blocks(qtype, int_matvec.GROUP, cols, seed=5)
-    rows = (_MAX_CHUNKS + 1) * int_matvec.GROUP
+    rows = (MAX_CHUNKS + 1) * int_matvec.GROUP
     raw = np.tile(group, (rows // int_matvec.GROUP, 1))
     mv = int_matvec.IntMatvec(qtype, raw, cols, INT_ISAS[0])
-    assert mv.chunk % int_matvec.GROUP == 0 and -(-rows // mv.chunk) <= _MAX_CHUNKS
+    assert mv.chunk % int_matvec.GROUP == 0 and -(-rows // mv.chunk) <= MAX_CHUNKS
     x = activations(2, cols, seed=6)
     y = mv(np.ascontiguousarray(x), np.empty((2, rows), np.float32))
     one = run(qtype, group, x, INT_ISAS[0])

@@ -353,11 +353,11 @@ def test_decode_batch_call_equals_each_sequence_alone_when_the_pool_steals(monke
     """`DecodeKernel.attend_many` (a decode batch's sequences in one call shared with the weight
     kernels' pool) gives each sequence exactly its own `attend`, also when the caller takes over
     every chunk the worker has not finished at once (grace 0)."""
-    from engine.kernels import quant_matvec
     from engine import warmup
+    from engine.kernels import pool as work_pool
 
     layer, q, k = warmup._tiny_layer(True)
-    pool = quant_matvec._get_pool()
+    pool = work_pool.get_pool()
     if pool is not None:
         monkeypatch.setattr(pool, "grace_per_byte", 0.0)
     for step in range(36, 40):

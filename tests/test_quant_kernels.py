@@ -15,6 +15,7 @@ from gguf.quants import quantize
 
 from engine import weights
 from engine.gguf_file import GGUFFile
+from engine.kernels import pool as kpool
 from engine.kernels import quant_matvec as qm
 
 from .weight_blocks import GGUF_QUANTIZES, random_blocks
@@ -298,7 +299,7 @@ def test_warm_up_logs(caplog):
 
 
 def _pool_or_skip():
-    pool = qm._get_pool()
+    pool = kpool._get_pool()
     if pool is None:
         pytest.skip("one kernel thread: no pool")
     return pool
@@ -323,7 +324,7 @@ def test_pool_jobs_are_exact_and_write_nothing_late():
         y = np.full((x.shape[0], rows), np.nan, np.float32)
         with pool.lock:
             pool.kick()
-            done, _ = qm._pool_matvec(pool.ctl, pool.states, mv.compute, mv.raw, x, pool.x_buffer(x.size), y,
+            done, _ = kpool._pool_matvec(pool.ctl, pool.states, mv.compute, mv.raw, x, pool.x_buffer(x.size), y,
                                       16, 0 if i % 2 else 10**7, pool.n_workers + 1)
         by_workers += done
         assert_product_close(y, x, w)
@@ -349,10 +350,10 @@ def test_pool_steals_chunks_of_a_stalled_worker():
         x = rng.standard_normal((T, 256)).astype(np.float32)
         y = np.full((T, 640), np.nan, np.float32)
         with pool.lock:
-            seq = ((int(pool.ctl[qm._WORD]) >> 32) + 1) & 0x7FFFFFFF  # the job about to be published
+            seq = ((int(pool.ctl[kpool._WORD]) >> 32) + 1) & 0x7FFFFFFF  # the job about to be published
             for c in stalled:
-                pool.states[c] = (seq << 2) | qm._ST_COMPUTING
-            _, stolen = qm._pool_matvec(pool.ctl, pool.states, mv.compute, mv.raw, x, pool.x_buffer(x.size), y,
+                pool.states[c] = (seq << 2) | kpool._ST_COMPUTING
+            _, stolen = kpool._pool_matvec(pool.ctl, pool.states, mv.compute, mv.raw, x, pool.x_buffer(x.size), y,
                                         16, 1000, pool.n_workers + 1)
         assert stolen == len(stalled)
         assert_product_close(y, x, w)
@@ -374,9 +375,9 @@ def test_pool_keeps_what_a_job_with_stolen_chunks_reads():
 
     stolen_owner, clean_owner = Owner(), Owner()
     pool.serial_until = 0.0
-    seq = ((int(pool.ctl[qm._WORD]) >> 32) + 1) & 0x7FFFFFFF  # the job about to be published
+    seq = ((int(pool.ctl[kpool._WORD]) >> 32) + 1) & 0x7FFFFFFF  # the job about to be published
     for c in (3, 30):  # of 40 chunks of 16 rows: claimed by a worker that never finishes
-        pool.states[c] = (seq << 2) | qm._ST_COMPUTING
+        pool.states[c] = (seq << 2) | kpool._ST_COMPUTING
     y = np.full((2, 640), np.nan, np.float32)
     assert pool.run_job(mv.compute, mv.raw, x, y, 16, 16, keep=stolen_owner)
     assert_product_close(y, x, w)
@@ -493,7 +494,7 @@ def test_kernel_caches_depend_on_the_shared_vector_ir(monkeypatch):
     too, and a different hash (an edit there) makes numba treat their cached code as stale."""
     from engine.kernels import kv_codes, vector_ir
 
-    for kernel in (qm._rows_q4_1, qm._pool_matvec, kv_codes._halves, kv_codes.decode_attention):
+    for kernel in (qm._rows_q4_1, kpool._pool_matvec, kv_codes._halves, kv_codes.decode_attention):
         locator = kernel._cache._impl.locator
         stamp = locator.get_source_stamp()
         assert isinstance(locator, tuple(vector_ir._LOCATORS)) and stamp[1] == vector_ir.SHARED_IR_HASH

@@ -1378,7 +1378,7 @@ def _frows_q5_1_avx2(raw, xw, y, r0, r1, yoff):
                 t += 1
 
 
-# The pool's compute functions (the signature of quant_matvec's, see `quant_matvec.run_rows`):
+# The pool's compute functions (`pool.COMPUTE_SIG`, see `pool.run_rows`):
 # x is the quantized activations (T, words), rows are weight rows (multiples of 16 per chunk).
 
 def _c_q4_0_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
@@ -1662,7 +1662,7 @@ def compute_address(ggml_type, isa: str, fast: bool = False) -> int:
         with _cfunc_lock:
             fn = _cfuncs.get(key)
             if fn is None:
-                from .quant_matvec import COMPUTE_SIG
+                from .pool import COMPUTE_SIG
 
                 py = (_COMPUTE_FAST_PY if fast else _COMPUTE_PY)[ggml_type, isa]
                 fn = _cfuncs[key] = cfunc(COMPUTE_SIG, nogil=True, cache=True)(py)
@@ -1676,7 +1676,7 @@ class IntMatvec:
     __slots__ = ("ggml_type", "isa", "packed", "n_rows", "in_features", "compute", "compute_fast", "chunk")
 
     def __init__(self, ggml_type, raw: np.ndarray, in_features: int, isa: str, packed: np.ndarray | None = None):
-        from .quant_matvec import _MAX_CHUNKS, CHUNK_BYTES, readonly
+        from .pool import CHUNK_BYTES, MAX_CHUNKS, readonly
 
         if not supports(ggml_type, raw.shape[0], in_features) or isa not in int_dot.ISA_LANES:
             raise ValueError(f"no integer kernel for {ggml_type.name} ({raw.shape[0]} x {in_features}) on {isa}")
@@ -1685,16 +1685,16 @@ class IntMatvec:
         self.n_rows, self.in_features = raw.shape[0], in_features
         self.compute = compute_address(ggml_type, isa)
         self.compute_fast = None  # compiled on the first fast-mode product
-        # rows per chunk: ~CHUNK_BYTES, whole groups of GROUP rows, and at most _MAX_CHUNKS chunks
+        # rows per chunk: ~CHUNK_BYTES, whole groups of GROUP rows, and at most MAX_CHUNKS chunks
         # (the pool's state array has that many slots: a vocabulary-sized matrix of 262,144 rows
         # needs chunks of 64 rows or more)
-        fewest = -(-raw.shape[0] // _MAX_CHUNKS)
+        fewest = -(-raw.shape[0] // MAX_CHUNKS)
         self.chunk = max(GROUP, (CHUNK_BYTES // raw.shape[1]) // GROUP * GROUP, -(-fewest // GROUP) * GROUP)
 
     def __call__(self, x: np.ndarray, out: np.ndarray, fast: bool = False) -> np.ndarray:
         """x C-contiguous float32 (T, in_features) -> out (T, rows), C-contiguous. fast: int8
         activations (`int_dot.quantize_activations_fast`), else 16-bit."""
-        from .quant_matvec import BUF_VALUES, run_rows
+        from .pool import BUF_VALUES, run_rows
 
         if fast:
             if self.compute_fast is None:

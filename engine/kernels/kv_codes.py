@@ -1088,7 +1088,7 @@ def decode_attention(k_rows, v_rows, k_layout, v_layout, B, q, scale, sink_k, si
 # -- several sequences' decode steps in one call -------------------------------------------
 # A decode batch (several sequences, one new token each, over one pool) runs `decode_attention`
 # for every sequence from one compiled call, split between threads by the weight kernels' pool
-# (`quant_matvec.run_rows`: "rows" are the sequences). Each sequence's arithmetic is exactly its
+# (`pool.run_rows`: "rows" are the sequences). Each sequence's arithmetic is exactly its
 # own call's, so its output does not depend on the batch. The pool passes arrays by address:
 #   table  (n_seqs, DECODE_FIELDS) int64, one row per sequence (the DF_* fields below; addresses
 #          of arrays the caller keeps alive for the call)
@@ -1155,7 +1155,7 @@ def _decode_row(row, x, col, out, out_col):
 
 
 def _compute_decode_rows(table_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    """The pool's compute function for decode batches (`quant_matvec.COMPUTE_SIG`): sequences
+    """The pool's compute function for decode batches (`pool.COMPUTE_SIG`): sequences
     r0..r1-1 of the table into out's columns r - out_off."""
     table = carray(_i64_pointer(table_addr), (n_rows, row_bytes // 8))
     x = carray(f32_pointer(x_addr), (K, T))  # K = n_seqs rows of T (see above)
@@ -1175,7 +1175,7 @@ def decode_rows_address() -> int:
     if _decode_rows_cfunc is None:
         with _decode_rows_lock:
             if _decode_rows_cfunc is None:
-                from .quant_matvec import COMPUTE_SIG
+                from .pool import COMPUTE_SIG
 
                 _decode_rows_cfunc = cfunc(COMPUTE_SIG, nogil=True, cache=True)(_compute_decode_rows)
     return _decode_rows_cfunc.address

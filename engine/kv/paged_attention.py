@@ -322,7 +322,7 @@ class DecodeKernel:
         without attention-mass tracking), from one compiled call whose sequences the weight
         kernels' thread pool shares out (`kv_codes.decode_rows_address`); each output equals
         the view's own `attend`."""
-        from ..kernels import quant_matvec
+        from ..kernels import pool as work_pool
 
         n = len(views)
         Hkv, G, D = views[0].query.shape
@@ -347,7 +347,7 @@ class DecodeKernel:
         work = most_tokens * Hkv * (D + Dv) * 2
         # what the cfunc reads by address: the views' arrays, the scale, the pool's slabs
         keep = (views, scale_box, self.pool)
-        quant_matvec.run_rows(kv_codes.decode_rows_address(), quant_matvec.readonly(table.view(np.uint8)),
+        work_pool.run_rows(kv_codes.decode_rows_address(), work_pool.readonly(table.view(np.uint8)),
                               x.reshape(T, n), out, 1, work, keep)
         return out[: Hkv * G * Dv].T.reshape(n, Hkv, G, Dv)
 
