@@ -98,6 +98,8 @@ def _sampling(args) -> SamplingParams:
         top_p=args.top_p,
         min_p=args.min_p,
         repetition_penalty=args.repeat_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
         seed=args.seed,
     )
     params.validate()
@@ -648,6 +650,11 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token already generated (OpenAI's; 0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted once per occurrence from the logit of tokens already generated "
+                        "(OpenAI's; 0 = off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--speculate", choices=SPECULATE_MODES, default="off",
                    help="lookup: draft from text already in the context (prompt lookup) and verify the "

@@ -3,9 +3,10 @@
 One stream per generating sequence, fed the logits of each position it samples from:
 
     logits ─► logits processors ─► Sampler ─► end of turn? ─► stream decoder ─► stop strings
-              (per sequence:        (seeded,                   (UTF-8 pieces)   (held-back text)
-               constraints,          repetition penalty
-               penalties)            on the history)
+              (per sequence:        (seeded: temperature,      (UTF-8 pieces)   (held-back text)
+               penalties: repetition, top-k/p, min-p)
+               presence, frequency;
+               constraints)
 
 `Engine.stream` (a window turn, the CLI) and the serve scheduler (many sequences batched)
 both drive it: they run the model and own the cache and its limits (context, memory); the
@@ -21,12 +22,12 @@ stream owns everything that is per sequence and independent of how the logits we
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from .sampling import Sampler, SamplingParams, StopStringMatcher, log_softmax
+from .sampling import Sampler, SamplingParams, StopStringMatcher, log_softmax, penalty_processors
 
 # Finish reasons a stream decides itself; callers add theirs ("context_full", "kv_pool_full",
 # "cancelled", or what their API calls them).
@@ -72,9 +73,11 @@ class TokenStream:
         sampling: SamplingParams (default: greedy).
         stop: stop strings; the text ends just before the first one.
         max_tokens: generated tokens at most (0: the stream is done before its first push).
-        processors: LogitsProcessors applied in order to every position's logits.
+        processors: LogitsProcessors applied in order to every position's logits, after the
+            penalties of `sampling` (repetition, presence, frequency), which the stream applies
+            as processors of its own (`sampling.penalty_processors`).
         logprobs: when not None, each Step carries the sampled token's log-probability and the
-            `logprobs` most likely tokens.
+            `logprobs` most likely tokens (under the logits after penalties and processors).
         clock: the time source `first_token_at` is read from (the caller's request clock).
     """
 
@@ -82,14 +85,18 @@ class TokenStream:
                  stop: Sequence[str] = (), max_tokens: int = 256,
                  processors: Sequence[LogitsProcessor] = (), logprobs: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):
-        self.sampler = Sampler(sampling or SamplingParams())
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        # the penalties run as processors (they see where the prompt ends); the sampler does not
+        # apply the repetition penalty a second time
+        self.sampler = Sampler(replace(sampling, repetition_penalty=1.0))
         self.decoder = tokenizer.stream_decoder(skip_special=True)
         self.matcher = StopStringMatcher(stop)
         self.stop_ids = tokenizer.stop_ids
         self.history = list(prompt_ids)
         self.n_prompt = len(self.history)
         self.max_tokens = max_tokens
-        self.processors = list(processors)
+        self.processors = penalty_processors(sampling, self.n_prompt) + list(processors)
         self.logprobs = logprobs
         self.clock = clock
         self.first_token_at: float | None = None  # clock() when the first token was sampled

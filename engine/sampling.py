@@ -43,6 +43,9 @@ class SamplingParams:
     - ``repetition_penalty``: divide positive logits / multiply negative logits of tokens seen
       in the last ``repetition_last_n`` tokens of the history by this (1.0 = off).
     - ``repetition_last_n``: how far back the penalty looks (0 = off, -1 = the whole history).
+    - ``presence_penalty`` / ``frequency_penalty``: OpenAI's penalties, subtracted from the logits
+      of tokens already generated in this completion (the prompt does not count):
+      ``presence * [count > 0] + frequency * count`` (0 = off; negative values favour repeats).
     - ``seed``: seed of the sampler's random generator (None = fresh entropy).
     """
 
@@ -52,6 +55,8 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     repetition_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
 
     def validate(self) -> None:
@@ -74,6 +79,9 @@ class SamplingParams:
                 "repetition_last_n must be an integer >= -1 (0 = off, -1 = whole history), "
                 f"got {self.repetition_last_n!r}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_real(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number (0 = off), got {getattr(self, name)!r}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
 
@@ -95,6 +103,57 @@ def apply_repetition_penalty(
     out = logits.copy()
     values = out[ids]
     out[ids] = np.where(values > 0, values / penalty, values * penalty)
+    return out
+
+
+def apply_count_penalties(
+    logits: np.ndarray, generated: Sequence[int], presence: float, frequency: float
+) -> np.ndarray:
+    """Logits less OpenAI's presence and frequency penalties: for each token id generated
+    ``count`` times so far, ``presence * [count > 0] + frequency * count`` is subtracted from its
+    logit. Returns ``logits`` itself when nothing changes, otherwise a penalized copy (in the
+    logits' dtype)."""
+    if (presence == 0.0 and frequency == 0.0) or len(generated) == 0:
+        return logits
+    ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+    keep = (ids >= 0) & (ids < logits.shape[0])
+    ids, counts = ids[keep], counts[keep]
+    if ids.size == 0:
+        return logits
+    out = np.array(logits, copy=True)
+    out[ids] -= (presence + frequency * counts).astype(out.dtype)
+    return out
+
+
+class RepetitionPenalty:
+    """`apply_repetition_penalty` as a logits processor (decoding.TokenStream's)."""
+
+    def __init__(self, penalty: float, last_n: int):
+        self.penalty, self.last_n = penalty, last_n
+
+    def __call__(self, history: Sequence[int], logits: np.ndarray) -> np.ndarray:
+        return apply_repetition_penalty(logits, history, self.penalty, self.last_n)
+
+
+class CountPenalties:
+    """OpenAI's presence / frequency penalties as a logits processor: counts the tokens of the
+    history after its first ``n_prompt`` (the completion's own)."""
+
+    def __init__(self, n_prompt: int, presence: float, frequency: float):
+        self.n_prompt, self.presence, self.frequency = n_prompt, presence, frequency
+
+    def __call__(self, history: Sequence[int], logits: np.ndarray) -> np.ndarray:
+        return apply_count_penalties(logits, history[self.n_prompt:], self.presence, self.frequency)
+
+
+def penalty_processors(params: SamplingParams, n_prompt: int) -> list:
+    """The logits processors of ``params``' penalties (none when they are off, so that a request
+    with every penalty at its neutral value samples exactly as one without them)."""
+    out: list = []
+    if params.repetition_penalty != 1.0 and params.repetition_last_n != 0:
+        out.append(RepetitionPenalty(params.repetition_penalty, params.repetition_last_n))
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        out.append(CountPenalties(n_prompt, params.presence_penalty, params.frequency_penalty))
     return out
 
 
@@ -144,7 +203,9 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """Pick the next token id. ``history`` holds the previous token ids (prompt and
-        generated so far) for the repetition penalty."""
+        generated so far) for the repetition penalty. (The presence / frequency penalties need to
+        know where the prompt ends: `decoding.TokenStream` applies them, and the repetition
+        penalty, as logits processors, see `penalty_processors`.)"""
         ids, weights = self._candidates(logits, history)
         if weights.size == 1:
             return int(ids[0]) if ids is not None else 0

@@ -339,3 +339,20 @@ def test_character_streaming_equals_one_shot():
         if stopped:
             break
     assert (emitted, stopped) == expected == ("The <|im_end|> is near: ", True)
+
+
+def test_count_penalties_subtract_presence_and_frequency_times_count():
+    from engine.sampling import apply_count_penalties, penalty_processors
+
+    logits = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    out = apply_count_penalties(logits, [1, 3, 3, 3], presence=0.5, frequency=0.25)
+    assert out.dtype == np.float32
+    assert out.tolist() == [1.0, 2.0 - 0.5 - 0.25, 3.0, 4.0 - 0.5 - 0.75]
+    assert apply_count_penalties(logits, [1, 3], 0.0, 0.0) is logits
+    assert apply_count_penalties(logits, [], 1.0, 1.0) is logits
+    # the processors count only the tokens after the prompt; off when the penalties are neutral
+    assert penalty_processors(SamplingParams(), 2) == []
+    (count,) = penalty_processors(SamplingParams(frequency_penalty=1.0), n_prompt=2)
+    assert count([3, 3, 1], logits).tolist() == [1.0, 1.0, 3.0, 4.0]
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=float("nan")).validate()

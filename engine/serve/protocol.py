@@ -4,7 +4,8 @@ answers with: ``{"error": {"message", "type", "param", "code"}}`` and a 4xx stat
 Accepted (anything else a client commonly sends, e.g. `user`, is ignored; fields this engine
 cannot honour are refused rather than silently dropped):
     chat:        model, messages, max_tokens | max_completion_tokens, temperature, top_p, stop,
-                 seed, n (1), stream, stream_options.include_usage; presence/frequency_penalty 0
+                 seed, n (1), stream, stream_options.include_usage, presence_penalty and
+                 frequency_penalty (-2..2), repetition_penalty (> 0, an extension)
     completions: model, prompt (a string, a one-string list, or a list of token ids), and the
                  same sampling fields
 """
@@ -12,6 +13,7 @@ cannot honour are refused rather than silently dropped):
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 
@@ -74,6 +76,8 @@ def _number(body: dict, name: str, lo: float, hi: float, default: float) -> floa
         return default
     if not _is_number(v):
         raise bad(f"'{name}' must be a number, not {type(v).__name__}", name, "invalid_type")
+    if not math.isfinite(v):
+        raise bad(f"'{name}' must be a finite number, not {v}", name)
     if not lo <= v <= hi:
         raise bad(f"'{name}' must be between {lo:g} and {hi:g}, not {v}", name)
     return float(v)
@@ -125,9 +129,11 @@ def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
         raise bad("'top_p' must be greater than 0", "top_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, -2.0, 2.0, 0.0) != 0.0:
-            raise bad(f"'{name}' is not supported (only 0)", name, "unsupported_value")
+    presence = _number(body, "presence_penalty", -2.0, 2.0, 0.0)
+    frequency = _number(body, "frequency_penalty", -2.0, 2.0, 0.0)
+    repetition = _number(body, "repetition_penalty", -math.inf, math.inf, 1.0)  # an extension (vLLM's)
+    if repetition <= 0.0:
+        raise bad(f"'repetition_penalty' must be greater than 0 (1 = off), not {repetition:g}", "repetition_penalty")
     if body.get("logprobs") not in (None, False):
         raise bad("'logprobs' is not supported", "logprobs", "unsupported_value")
     seed = body.get("seed")
@@ -157,11 +163,14 @@ def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad("'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type")
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+    # the repetition penalty looks at the whole history, prompt included, as vLLM's and
+    # transformers' do; presence and frequency count the completion's tokens only (OpenAI's)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition,
+                              repetition_last_n=-1, presence_penalty=presence, frequency_penalty=frequency)
     try:
         sampling.validate()
     except ValueError as exc:
-        raise bad(str(exc)) from None
+        raise bad(str(exc), str(exc).split()[0]) from None
     return GenerationRequest(model, max_tokens, sampling, stops, stream, include_usage)
 
 
