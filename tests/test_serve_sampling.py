@@ -1,6 +1,7 @@
 """What `omlx serve` takes beyond temperature and top_p: OpenAI's presence / frequency penalties
 and the repetition_penalty extension (one logits-processor path shared with the engine and
-`omlx generate`), driven by the official `openai` client at a real server on 127.0.0.1."""
+`omlx generate`), and logprobs / top_logprobs, driven by the official `openai` client at a real
+server on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import json
 from collections import Counter
 
 import httpx2 as httpx
+import numpy as np
 import pytest
 
 from engine import cli
 from engine.engine import Engine
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, log_softmax
 from .test_serve import PROMPTS, chat, client, smol, start, tiny, tiny_path  # noqa: F401 (fixtures)
 
 # the tiny random model answers this by repeating one token ("tttt..."): a penalty has work to do
@@ -88,3 +90,121 @@ def test_smollm2_penalties_change_a_repeating_answer_in_the_expected_direction(s
     repeated = chat(c, prompt, max_tokens=40, extra_body={"repetition_penalty": 1.3}).choices[0].message.content
     rp = engine.generate(ids, max_tokens=40, sampling=SamplingParams(repetition_penalty=1.3, repetition_last_n=-1))
     assert repeated == rp.text != plain.text
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+def teacher_forced(engine, prompt_ids, ids):
+    """The engine's teacher-forced log-probabilities of `ids` after the prompt (what `omlx
+    logprobs` computes): (the token's, the top 32 values) per generated token."""
+    tf = engine.teacher_forced(list(prompt_ids) + list(ids))
+    at = slice(len(prompt_ids) - 1, None)
+    return tf.next_logprob[at].astype(np.float64), tf.top_logprobs[at].astype(np.float64), tf.top_ids[at]
+
+
+def test_completion_logprobs_equal_the_engines_teacher_forced_ones_streamed_and_not(tiny):
+    """Q8_0 matrices go through the same integer kernels at every row count: the served decode
+    steps and the teacher-forced chunk compute nearly the same logits (the sampled tokens'
+    log-probabilities within 1e-4, the unlikely top ones within 5e-4)."""
+    c, engine = client(tiny), tiny.server.engine
+    prompt = "the quick brown fox jumps"
+    r = c.completions.create(model="m", prompt=prompt, max_tokens=20, temperature=0, logprobs=5)
+    lp = r.choices[0].logprobs
+    prompt_ids = engine.encode_prompt(prompt)
+    ids = engine.generate(prompt_ids, max_tokens=20).ids
+    assert lp.tokens == [engine.tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+    token_lp, top_lp, top_ids = teacher_forced(engine, prompt_ids, ids)
+    assert np.abs(np.array(lp.token_logprobs) - token_lp).max() < 1e-4
+    for row, expected in zip(lp.top_logprobs, top_lp):
+        # a dict by token text: tokens with the same text (lone bytes shown as U+FFFD) share a key;
+        # the unlikely tokens' values (log-probabilities near -14) differ by up to ~1e-4 between the
+        # decode steps and the teacher-forced chunk, the likely ones far less
+        assert 1 <= len(row) <= 5 and max(row.values()) == pytest.approx(expected[0], abs=1e-4)
+        assert all(np.abs(expected[:5] - v).min() < 5e-4 for v in row.values()), (row, expected[:5])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    streamed = list(c.completions.create(model="m", prompt=prompt, max_tokens=20, temperature=0, logprobs=5,
+                                         stream=True))
+    values = [v for ch in streamed if ch.choices and ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert values == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == r.choices[0].text
+    # logprobs=0: the sampled token's alone
+    zero = c.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, logprobs=0)
+    assert zero.choices[0].logprobs.top_logprobs is None
+    assert zero.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:4], abs=1e-4)
+    assert c.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0).choices[0].logprobs is None
+
+
+def test_chat_logprobs_and_top_logprobs_equal_the_teacher_forced_ones_streamed_and_not(tiny):
+    c, engine = client(tiny), tiny.server.engine
+    messages = [{"role": "user", "content": "logprobs, please"}]
+    r = c.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0, logprobs=True,
+                                  top_logprobs=20)
+    content = r.choices[0].logprobs.content
+    prompt_ids = engine.encode_chat(messages)
+    ids = engine.generate(prompt_ids, max_tokens=16).ids
+    assert len(content) == len(ids) == r.usage.completion_tokens
+    token_lp, top_lp, _ = teacher_forced(engine, prompt_ids, ids)
+    for entry, t, value, tops in zip(content, ids, token_lp, top_lp):
+        assert bytes(entry.bytes) == engine.tokenizer.token_bytes(t)
+        assert entry.logprob == pytest.approx(value, abs=1e-4)
+        assert len(entry.top_logprobs) == 20
+        assert [x.logprob for x in entry.top_logprobs] == pytest.approx(list(tops[:20]), abs=5e-4)
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the top token
+    streamed = list(c.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0,
+                                              logprobs=True, top_logprobs=20, stream=True))
+    entries = [e for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    # (the resent prompt starts on the prefix cache: its last logits come from a shorter pass)
+    assert [e.token for e in entries] == [e.token for e in content]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == \
+        r.choices[0].message.content
+    bare = c.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0, logprobs=True)
+    assert [e.top_logprobs for e in bare.choices[0].logprobs.content] == [[]] * 4
+    assert c.chat.completions.create(model="m", messages=messages, max_tokens=4,
+                                     temperature=0).choices[0].logprobs is None
+
+
+def test_bad_logprobs_requests_get_400s_naming_the_field(tiny):
+    ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    cases = [("/v1/chat/completions", {**ok, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+             ("/v1/chat/completions", {**ok, "top_logprobs": 3}, "top_logprobs"),  # without logprobs
+             ("/v1/chat/completions", {**ok, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+             ("/v1/chat/completions", {**ok, "logprobs": True, "top_logprobs": 2.5}, "top_logprobs"),
+             ("/v1/chat/completions", {**ok, "logprobs": "yes"}, "logprobs"),
+             ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
+             ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": True}, "logprobs")]
+    with httpx.Client(base_url=tiny.url, timeout=60) as http:
+        for path, body, field in cases:
+            r = http.post(path, json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] == field, body
+        r = http.post("/v1/chat/completions", json={**ok, "logprobs": True, "top_logprobs": 21})
+        assert "20" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_smollm2_logprobs_equal_the_engines_log_probabilities_of_the_same_tokens(smol):
+    """On SmolLM2 the logits of a position depend (by up to ~2e-3 in a log-probability) on how
+    many rows the pass that computed it had: teacher_forced itself differs that much between
+    chunk sizes of 1 and 64, while the tiny Q8_0 model computes every row count alike (the test
+    above compares it with teacher_forced within 1e-4). Here the reference is the engine's
+    log-probabilities computed as the server computed them: the prompt in one pass, then one
+    generated token per pass; the chunked teacher_forced values are held to 5e-3."""
+    c, engine = client(smol), smol.server.engine
+    messages = [{"role": "user", "content": PROMPTS[3]}]
+    r = c.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0, logprobs=True,
+                                  top_logprobs=5)
+    content = r.choices[0].logprobs.content
+    prompt_ids = engine.encode_chat(messages)
+    ids = engine.generate(prompt_ids, max_tokens=24).ids
+    assert [bytes(e.bytes) for e in content] == [engine.tokenizer.token_bytes(t) for t in ids]
+    cache = engine.new_cache()
+    rows = [engine.model.forward(np.asarray(prompt_ids, np.int64), cache, "last")[0]]
+    for t in ids[:-1]:
+        rows.append(engine.model.forward(np.asarray([t], np.int64), cache, "last")[0])
+    lp = log_softmax(np.stack(rows))
+    served = np.array([e.logprob for e in content])
+    assert np.abs(served - lp[np.arange(len(ids)), ids]).max() < 1e-4
+    top = np.sort(lp, axis=1)[:, ::-1][:, :5]
+    assert np.abs(np.array([[x.logprob for x in e.top_logprobs] for e in content]) - top).max() < 1e-4
+    token_lp, _, _ = teacher_forced(engine, prompt_ids, ids)
+    assert np.abs(served - token_lp).max() < 5e-3

@@ -208,7 +208,7 @@ class MessagesView:
 
     error_body = staticmethod(error_body)
 
-    def whole(self, text: str, fin: Finished) -> dict:
+    def whole(self, text: str, fin: Finished, tokens=()) -> dict:
         reason, sequence = stop_reason(fin)
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": [{"type": "text", "text": text}], "stop_reason": reason, "stop_sequence": sequence,
@@ -229,6 +229,9 @@ class MessagesView:
             return ""
         return sse("content_block_delta", {"type": "content_block_delta", "index": 0,
                                            "delta": {"type": "text_delta", "text": text}})
+
+    def stream_token(self, event) -> str:
+        return self.stream_text(event.text)
 
     def stream_end(self, fin: Finished) -> str:
         reason, sequence = stop_reason(fin)

@@ -333,9 +333,9 @@ class OpenAIServer:
             view = MessagesView(job_id, self.model_id, len(prompt_ids))
         else:
             job_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-            view = OpenAIView(kind, job_id, self.model_id, req.include_usage)
+            view = OpenAIView(kind, job_id, self.model_id, req.include_usage, self.engine.tokenizer, req.logprobs)
         job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=req.sampling, sink=sink,
-                  stop=req.stop, id=job_id)
+                  stop=req.stop, id=job_id, logprobs=req.logprobs)
         try:
             self.scheduler.submit(job)
         except OmlxError as exc:
@@ -367,6 +367,7 @@ class OpenAIServer:
 
     async def _complete(self, request: Request, kind: str, job: Job, events: asyncio.Queue, view) -> Response:
         pieces: list[str] = []
+        tokens: list[Token] = []
         try:
             while True:
                 event = await self._next_event(request, job, events)
@@ -375,6 +376,7 @@ class OpenAIServer:
                     return Response(status_code=499)
                 if isinstance(event, Token):
                     pieces.append(event.text)
+                    tokens.append(event)
                 elif isinstance(event, Failed):
                     return self._error(kind, self._failure(event.error))
                 elif isinstance(event, Finished):
@@ -384,7 +386,7 @@ class OpenAIServer:
             self.scheduler.cancel(job)
             raise
         self.metrics.request(kind, 200)
-        return JSONResponse(view.whole("".join(pieces), event))
+        return JSONResponse(view.whole("".join(pieces), event, tokens))
 
     async def _stream(self, request: Request, kind: str, job: Job, events: asyncio.Queue, view) -> Response:
         # The first event decides the status: a request that times out in the queue is a 429,
@@ -399,7 +401,7 @@ class OpenAIServer:
         def render(event) -> tuple[str, bool]:
             """SSE text for one event, and whether it ends the stream."""
             if isinstance(event, Token):
-                return view.stream_text(event.text), False
+                return view.stream_token(event), False
             if isinstance(event, Finished):
                 self.metrics.request(kind, 200)
                 return view.stream_end(event), True

@@ -5,9 +5,10 @@ Accepted (anything else a client commonly sends, e.g. `user`, is ignored; fields
 cannot honour are refused rather than silently dropped):
     chat:        model, messages, max_tokens | max_completion_tokens, temperature, top_p, stop,
                  seed, n (1), stream, stream_options.include_usage, presence_penalty and
-                 frequency_penalty (-2..2), repetition_penalty (> 0, an extension)
+                 frequency_penalty (-2..2), repetition_penalty (> 0, an extension), logprobs and
+                 top_logprobs (0..20)
     completions: model, prompt (a string, a one-string list, or a list of token ids), and the
-                 same sampling fields
+                 same sampling fields; logprobs an integer (0..20)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from ..sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (we allow it for completions' logprobs too)
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -inf)
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -50,6 +53,7 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # the top log-probabilities per token (0: the token's alone); None: off
 
 
 @dataclass
@@ -134,8 +138,6 @@ def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
     repetition = _number(body, "repetition_penalty", -math.inf, math.inf, 1.0)  # an extension (vLLM's)
     if repetition <= 0.0:
         raise bad(f"'repetition_penalty' must be greater than 0 (1 = off), not {repetition:g}", "repetition_penalty")
-    if body.get("logprobs") not in (None, False):
-        raise bad("'logprobs' is not supported", "logprobs", "unsupported_value")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise bad(f"'seed' must be an integer, not {type(seed).__name__}", "seed", "invalid_type")
@@ -172,6 +174,37 @@ def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
     except ValueError as exc:
         raise bad(str(exc), str(exc).split()[0]) from None
     return GenerationRequest(model, max_tokens, sampling, stops, stream, include_usage)
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` (0..MAX_TOP_LOGPROBS, which needs
+    logprobs=true) as the top count (None: off)."""
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise bad(f"'logprobs' must be a boolean, not {type(on).__name__}", "logprobs", "invalid_type")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not _is_int(top):
+            raise bad(f"'top_logprobs' must be an integer, not {type(top).__name__}", "top_logprobs", "invalid_type")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, not {top}", "top_logprobs")
+        if not on:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def completion_logprobs(body: dict) -> int | None:
+    """Completions' `logprobs`: how many of the most likely tokens to list per position
+    (0..MAX_TOP_LOGPROBS; OpenAI's own limit is 5), None: off."""
+    n = body.get("logprobs")
+    if n is None:
+        return None
+    if not _is_int(n):
+        raise bad(f"'logprobs' must be an integer (the top tokens listed per position, 0 to {MAX_TOP_LOGPROBS}) "
+                  f"on /v1/completions, not {type(n).__name__}", "logprobs", "invalid_type")
+    if not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise bad(f"'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, not {n}", "logprobs")
+    return n
 
 
 def _message_text(content, i: int) -> str:
@@ -215,6 +248,7 @@ def parse_chat(body, served_ids: tuple[str, ...]) -> ChatRequest:
         if "content" not in m or m["content"] is None:
             raise bad(f"messages[{i}].content is required", f"messages[{i}].content", "missing_required_parameter")
         out.append({"role": "system" if role == "developer" else role, "content": _message_text(m["content"], i)})
+    common.logprobs = chat_logprobs(body)
     return ChatRequest(**common.__dict__, messages=out)
 
 
@@ -241,6 +275,7 @@ def parse_completion(body, served_ids: tuple[str, ...], vocab_size: int) -> Comp
         raise bad("'echo' is not supported", "echo", "unsupported_value")
     if body.get("suffix") not in (None, ""):
         raise bad("'suffix' is not supported", "suffix", "unsupported_value")
+    common.logprobs = completion_logprobs(body)
     return CompletionRequest(**common.__dict__, prompt=prompt)
 
 
@@ -258,12 +293,21 @@ def _sse(body: dict) -> str:
 class OpenAIView:
     """One request's answer in OpenAI's shapes: `chat` (chat.completion and its chunks) or
     `completions` (text_completion). The app calls whole() for a complete answer, or
-    stream_start(), stream_text() per piece, then stream_end() or stream_error()."""
+    stream_start(), stream_token() per Token event, then stream_end() or stream_error().
 
-    def __init__(self, kind: str, job_id: str, model: str, include_usage: bool):
+    With logprobs, every generated token's entry (its log-probability and the top ones, from the
+    scheduler's Token events) goes with the text: a streamed chunk carries the entries of the
+    tokens whose text it brings (a token whose text is held back, an unfinished UTF-8 character
+    or a possible stop string, goes with the next chunk that has text, or with the last one)."""
+
+    def __init__(self, kind: str, job_id: str, model: str, include_usage: bool, tokenizer=None,
+                 logprobs: int | None = None):
         self.kind, self.id, self.model, self.include_usage = kind, job_id, model, include_usage
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self.tokenizer, self.logprobs = tokenizer, logprobs
+        self._pending: list = []  # Token events whose logprobs have not gone out yet
+        self._offset = 0  # completions' text_offset of the next token
 
     @staticmethod
     def error_body(err: ApiError) -> dict:
@@ -273,24 +317,62 @@ class OpenAIView:
     def _reason(fin) -> str:
         return "length" if fin.finish_reason == "length" else "stop"
 
-    def whole(self, text: str, fin) -> dict:
+    # -- logprobs ---------------------------------------------------------------------------
+    def _token_text(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.tokenizer.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def _logprobs(self, events) -> dict | None:
+        """The `logprobs` object of a choice (or a chunk's) for these Token events."""
+        if self.logprobs is None:
+            return None
+        events = [e for e in events if e.logprob is not None]
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            content = []
+            for e in events:
+                text, raw = self._token_text(e.token_id)
+                top = []
+                for tid, lp in e.logprob.top:
+                    t, b = self._token_text(tid)
+                    top.append({"token": t, "logprob": max(lp, LOGPROB_FLOOR), "bytes": b})
+                content.append({"token": text, "logprob": max(e.logprob.logprob, LOGPROB_FLOOR), "bytes": raw,
+                                "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        tokens, values, tops, offsets = [], [], [], []
+        for e in events:
+            text = self._token_text(e.token_id)[0]
+            tokens.append(text)
+            values.append(max(e.logprob.logprob, LOGPROB_FLOOR))
+            top: dict[str, float] = {}
+            for tid, lp in e.logprob.top:
+                top.setdefault(self._token_text(tid)[0], max(lp, LOGPROB_FLOOR))
+            tops.append(top)
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops if self.logprobs else None,
+                "text_offset": offsets}
+
+    # -- whole --------------------------------------------------------------------------------
+    def whole(self, text: str, fin, tokens=()) -> dict:
+        logprobs = self._logprobs(tokens)
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": self._reason(fin)}
             return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                     "choices": [choice], "usage": openai_usage(fin), "system_fingerprint": None}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self._reason(fin)}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": self._reason(fin)}
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [choice], "usage": openai_usage(fin)}
 
-    def _chunk(self, delta: str | None, reason: str | None, role: bool = False) -> str:
+    # -- streamed -----------------------------------------------------------------------------
+    def _chunk(self, delta: str | None, reason: str | None, role: bool = False, logprobs: dict | None = None) -> str:
         if self.kind == "chat":
             d = {"role": "assistant"} if role else {}
             if delta is not None:
                 d["content"] = delta
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice]}
         if self.include_usage:
@@ -300,11 +382,22 @@ class OpenAIView:
     def stream_start(self, cached_tokens: int) -> str:
         return self._chunk("", None, role=True) if self.kind == "chat" else ""
 
-    def stream_text(self, text: str) -> str:
-        return self._chunk(text, None) if text else ""
+    def stream_text(self, text: str, final: bool = False) -> str:
+        """A chunk with `text` and the logprobs of the tokens it completes (at the end, the
+        held-back tokens' even without text)."""
+        if not text and not (final and self._pending):
+            return ""
+        logprobs = self._logprobs(self._pending) if self._pending else None
+        self._pending = []
+        return self._chunk(text, None, logprobs=logprobs)
+
+    def stream_token(self, event) -> str:
+        if self.logprobs is not None:
+            self._pending.append(event)
+        return self.stream_text(event.text)
 
     def stream_end(self, fin) -> str:
-        out = [self.stream_text(fin.text),
+        out = [self.stream_text(fin.text, final=True),
                self._chunk(None if self.kind == "chat" else "", self._reason(fin))]
         if self.include_usage:
             out.append(_sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
