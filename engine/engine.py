@@ -200,6 +200,10 @@ class Engine:
             why = (f"it was loaded with {ARITH_ENV}=float" if arith_mode() == "float"
                    else "no matrix of it has integer kernels on this CPU")
             raise SettingsError(f"{self.name}: {mode} arithmetic needs the integer kernels, and {why}")
+        if mode == "fast":  # compiled (or loaded from numba's cache) now, not inside the next prefill
+            from .kernels import int_dot, int_matvec
+
+            int_matvec.warm_up({lin.ggml_type for lin in layers}, int_dot.kernel_isa(), fast=True)
         for lin in layers:
             lin.fast = mode == "fast"
         if mode != self.arith:

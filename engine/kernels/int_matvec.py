@@ -1736,8 +1736,21 @@ class IntMatvec:
 _warm: set = set()
 
 
-def warm_up(ggml_types, isa: str) -> float:
-    """Compile or load the integer kernels of these types for `isa`; logs the time."""
+def warm_up(ggml_types, isa: str, fast: bool = False) -> float:
+    """Compile or load the integer kernels of these types for `isa` (fast: the fast mode's, which
+    otherwise compile on their first use); logs the time."""
+    if fast:
+        todo = sorted({t for t in ggml_types if t in INT_TYPES and (t, isa, True) not in _cfuncs},
+                      key=lambda t: t.name)
+        if not todo or isa not in int_dot.ISA_LANES:
+            return 0.0
+        t0 = time.perf_counter()
+        for t in todo:
+            compute_address(t, isa, True)
+        seconds = time.perf_counter() - t0
+        log.info("fast-mode integer kernels (%s) for %s ready in %.2f s", isa, ", ".join(t.name for t in todo),
+                 seconds)
+        return seconds
     todo = sorted({t for t in ggml_types if t in INT_TYPES and (t, isa) not in _warm}, key=lambda t: t.name)
     if not todo or isa not in int_dot.ISA_LANES:
         return 0.0
