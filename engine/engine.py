@@ -373,11 +373,14 @@ class Engine:
         """Plain completion prompt: BOS where the model asks for one, special tokens as text."""
         return self.tokenizer.encode(text, add_bos=True, parse_special=False)
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render messages with the model's chat template and tokenize (special tokens parsed)."""
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> list[int]:
+        """Render messages with the model's chat template and tokenize (special tokens parsed).
+        `tools` (OpenAI's function list) goes to templates that take them."""
         if not self.has_chat_template:
             raise EngineError(f"{self.name} has no chat template: use it as plain completion")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+        extra = {"tools": list(tools)} if tools else {}
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, **extra)
         ids = self.tokenizer.encode(text, add_bos=True, parse_special=True)
         bos = self.tokenizer.bos_id
         if len(ids) > 1 and bos is not None and ids[0] == bos and ids[1] == bos:

@@ -4,7 +4,8 @@ answer in Anthropic's shapes (the message object, the streamed events, the error
 
 Accepted: model, messages (user / assistant turns; content a string or a list of `text`,
 `tool_use` and `tool_result` blocks), system (a string or text blocks), max_tokens (required),
-stop_sequences, temperature (0-1), top_p, top_k, stream, tools, tool_choice; metadata,
+stop_sequences, temperature (0-1), top_p, top_k, stream, tools, tool_choice (auto / any / tool /
+none; calls parsed as in tools.py and answered as tool_use blocks); metadata,
 service_tier and other fields clients send are ignored. A last assistant turn is a prefill: the
 answer continues it.
 
@@ -24,7 +25,9 @@ import uuid
 from dataclasses import dataclass
 
 from ..sampling import SamplingParams
-from .protocol import ApiError, ChatRequest, _is_int, _number, bad, message_list, served_model, stream_flag
+from .protocol import (ApiError, ChatRequest, _is_int, _number, bad, check_tool_choice, check_tools, message_list,
+                       served_model, stream_flag)
+from .tools import ToolChoice, ToolParser, split_events
 from .scheduler import Finished
 
 MAX_STOP_SEQUENCES = 16  # well above what clients send; each is matched on every token
@@ -174,8 +177,48 @@ def parse_messages(body: dict, served_ids: tuple[str, ...], *, counting: bool = 
         raise bad("stop sequences must contain non-whitespace", "stop_sequences")
     stream = stream_flag(body)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    tools = anthropic_tools(body.get("tools"))
+    choice = anthropic_tool_choice(body.get("tool_choice"), tools)
     return MessagesRequest(model=model, max_tokens=max_tokens, sampling=sampling, stop=tuple(stops),
-                           stream=stream, include_usage=True, messages=messages, prefill=prefill)
+                           stream=stream, include_usage=True, messages=messages, prefill=prefill,
+                           tools=tools, tool_choice=choice)
+
+
+def anthropic_tools(tools) -> list[dict] | None:
+    """Anthropic's tools ({name, description, input_schema}) in OpenAI's shape, checked."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad("'tools' must be a list", "tools", "invalid_type")
+    converted = []
+    for j, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise bad(f"tools[{j}] must be an object", f"tools[{j}]", "invalid_type")
+        if t.get("type") not in (None, "custom"):
+            raise bad(f"tools[{j}]: server tools of type {t.get('type')!r} are not supported (custom tools only)",
+                      f"tools[{j}]", "unsupported_value")
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict):
+            raise bad(f"tools[{j}].input_schema is required (a JSON schema object)", f"tools[{j}].input_schema",
+                      "missing_required_parameter")
+        converted.append({"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                                           "parameters": schema}})
+    return check_tools(converted)
+
+
+def anthropic_tool_choice(choice, tools) -> ToolChoice:
+    """{"type": "auto" | "any" | "tool" (with "name") | "none"}."""
+    if choice is None:
+        return ToolChoice()
+    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+        raise bad("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}", "tool_choice",
+                  "invalid_value")
+    kind = choice["type"]
+    if kind == "tool":
+        return check_tool_choice({"type": "function", "function": {"name": choice.get("name")}}, tools)
+    if kind == "any" and not tools:
+        raise bad("'tool_choice' is 'any' but the request has no 'tools'", "tool_choice")
+    return ToolChoice({"any": "required"}.get(kind, kind))
 
 
 def new_message_id() -> str:
@@ -201,18 +244,37 @@ def sse(event: str, data: dict) -> str:
 
 
 class MessagesView:
-    """One request's answer in Anthropic's shapes (see the module docstring)."""
+    """One request's answer in Anthropic's shapes (see the module docstring). With tools, the
+    answer's calls are `tool_use` blocks after its text (streamed: the text block is closed, each
+    call is a block of its own with its input as one input_json_delta, text after a call opens a
+    new text block)."""
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int):
+    def __init__(self, message_id: str, model: str, prompt_tokens: int, tools: ToolParser | None = None):
         self.id, self.model, self.prompt_tokens = message_id, model, prompt_tokens
+        self.tools = tools
+        self._open: int | None = None  # the index of the open text block
+        self._blocks = 0  # blocks started so far
 
     error_body = staticmethod(error_body)
 
+    def _stop(self, fin: Finished) -> tuple[str, str | None]:
+        if self.tools is not None and self.tools.calls:
+            return "tool_use", None
+        return stop_reason(fin)
+
     def whole(self, text: str, fin: Finished, tokens=()) -> dict:
-        reason, sequence = stop_reason(fin)
+        reason, sequence = self._stop_whole(text, fin)
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": [{"type": "text", "text": text}], "stop_reason": reason, "stop_sequence": sequence,
-                "usage": usage(fin)}
+                "content": self._content, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(fin)}
+
+    def _stop_whole(self, text: str, fin: Finished):
+        content = [{"type": "text", "text": text}]
+        if self.tools is not None:
+            text, calls = split_events(self.tools.push(text) + self.tools.finish())
+            content = [{"type": "text", "text": text}] if text.strip() or not calls else []
+            content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.input} for c in calls]
+        self._content = content
+        return self._stop(fin)
 
     def stream_start(self, cached_tokens: int) -> str:
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
@@ -220,23 +282,51 @@ class MessagesView:
                    "usage": {"input_tokens": self.prompt_tokens - cached_tokens, "output_tokens": 0,
                              "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}}
         return (sse("message_start", {"type": "message_start", "message": message})
-                + sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                              "content_block": {"type": "text", "text": ""}})
-                + sse("ping", {"type": "ping"}))
+                + self._open_text() + sse("ping", {"type": "ping"}))
+
+    def _open_text(self) -> str:
+        self._open, self._blocks = self._blocks, self._blocks + 1
+        return sse("content_block_start", {"type": "content_block_start", "index": self._open,
+                                           "content_block": {"type": "text", "text": ""}})
+
+    def _close_text(self) -> str:
+        if self._open is None:
+            return ""
+        index, self._open = self._open, None
+        return sse("content_block_stop", {"type": "content_block_stop", "index": index})
 
     def stream_text(self, text: str) -> str:
         if not text:
             return ""
-        return sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                           "delta": {"type": "text_delta", "text": text}})
+        head = self._open_text() if self._open is None else ""
+        return head + sse("content_block_delta", {"type": "content_block_delta", "index": self._open,
+                                                  "delta": {"type": "text_delta", "text": text}})
+
+    def _tool_events(self, events) -> str:
+        out = []
+        for kind, value in events:
+            if kind == "text":
+                out.append(self.stream_text(value))
+                continue
+            out.append(self._close_text())
+            index, self._blocks = self._blocks, self._blocks + 1
+            out.append(sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": {
+                "type": "tool_use", "id": value.id, "name": value.name, "input": {}}}))
+            out.append(sse("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                   "delta": {"type": "input_json_delta", "partial_json": value.arguments}}))
+            out.append(sse("content_block_stop", {"type": "content_block_stop", "index": index}))
+        return "".join(out)
 
     def stream_token(self, event) -> str:
-        return self.stream_text(event.text)
+        if self.tools is None:
+            return self.stream_text(event.text)
+        return self._tool_events(self.tools.push(event.text))
 
     def stream_end(self, fin: Finished) -> str:
-        reason, sequence = stop_reason(fin)
-        return (self.stream_text(fin.text)
-                + sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+        tail = (self.stream_text(fin.text) if self.tools is None
+                else self._tool_events(self.tools.push(fin.text) + self.tools.finish()))
+        reason, sequence = self._stop(fin)
+        return (tail + self._close_text()
                 + sse("message_delta", {"type": "message_delta",
                                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                         "usage": usage(fin)})

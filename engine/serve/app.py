@@ -31,6 +31,7 @@ from ..errors import ContextFull, KVPoolFull, OmlxError, SettingsError, describe
 from .metrics import Metrics
 from .anthropic import MessagesView, new_message_id, parse_messages
 from .anthropic import error_body as anthropic_error_body
+from . import tools
 from .protocol import ApiError, OpenAIView, bad, parse_chat, parse_completion
 from .scheduler import Failed, Finished, Job, QueueTimeout, Scheduler, ServeLimits, Started, Token
 
@@ -90,6 +91,7 @@ class OpenAIServer:
         # the names a request may use for the model: the listed id, the file's name and stem
         self.served_ids = tuple(dict.fromkeys([self.model_id, engine.name, engine.path.name, engine.path.stem]))
         self.created = int(time.time())
+        self.tool_family = tools.template_family(engine.tokenizer.chat_template)  # the tool-call syntax
         guarded = self._guarded
         routes = [
             Route("/health", guarded("health", self.health), methods=["GET"]),
@@ -269,13 +271,17 @@ class OpenAIServer:
             if not e.has_chat_template:
                 raise bad(f"{self.model_id} has no chat template: use /v1/completions", "messages",
                           "unsupported_model")
+            prepared = tools.prepare(req.messages, req.tools, req.tool_choice, self.tool_family)
             try:
-                ids = e.encode_chat(req.messages)
+                ids = e.encode_chat(prepared.messages, tools=prepared.tools)
             except Exception as exc:  # OmlxError, or a template raising on an unusual conversation (jinja)
                 raise bad(f"the messages cannot be rendered with the model's chat template: {exc}",
                           "messages") from None
-            if getattr(req, "prefill", ""):  # the answer continues the last assistant turn's text
-                ids = ids + e.tokenizer.encode(req.prefill, add_bos=False, parse_special=False)
+            # the answer continues the last assistant turn's text, then the start of a required call
+            req.tool_prefill = prepared.prefill
+            prefill = getattr(req, "prefill", "") + prepared.prefill
+            if prefill:
+                ids = ids + e.tokenizer.encode(prefill, add_bos=False, parse_special=False)
             return ids
         if isinstance(req.prompt, list):
             return list(req.prompt)
@@ -327,13 +333,22 @@ class OpenAIServer:
 
         def sink(event) -> None:  # the engine thread
             loop.call_soon_threadsafe(events.put_nowait, event)
+            if ender is not None and isinstance(event, Token) and ender.push(event.text):
+                self.scheduler.cancel(job)  # the call is complete (Finished "cancelled" follows)
 
+        parser = None
+        if kind != "completions" and req.tools and req.tool_choice.mode != "none":
+            parser = tools.ToolParser(self.tool_family, {t["function"]["name"] for t in req.tools},
+                                      prefill=req.tool_prefill, id_prefix="toolu_" if kind == "messages" else "call_")
+        # a required / named call: the answer ends once the call's arguments are written
+        ender = tools.ForcedCallEnd(req.tool_prefill, parser.names) if parser and req.tool_prefill else None
         if kind == "messages":
             job_id = new_message_id()
-            view = MessagesView(job_id, self.model_id, len(prompt_ids))
+            view = MessagesView(job_id, self.model_id, len(prompt_ids), parser)
         else:
             job_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-            view = OpenAIView(kind, job_id, self.model_id, req.include_usage, self.engine.tokenizer, req.logprobs)
+            view = OpenAIView(kind, job_id, self.model_id, req.include_usage, self.engine.tokenizer, req.logprobs,
+                              parser)
         job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=req.sampling, sink=sink,
                   stop=req.stop, id=job_id, logprobs=req.logprobs)
         try:

@@ -6,7 +6,8 @@ cannot honour are refused rather than silently dropped):
     chat:        model, messages, max_tokens | max_completion_tokens, temperature, top_p, stop,
                  seed, n (1), stream, stream_options.include_usage, presence_penalty and
                  frequency_penalty (-2..2), repetition_penalty (> 0, an extension), logprobs and
-                 top_logprobs (0..20)
+                 top_logprobs (0..20), tools and tool_choice (tools.py), assistant tool_calls and
+                 tool messages
     completions: model, prompt (a string, a one-string list, or a list of token ids), and the
                  same sampling fields; logprobs an integer (0..20)
 """
@@ -15,15 +16,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams
+from .tools import ToolChoice, ToolParser, split_events
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (we allow it for completions' logprobs too)
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -inf)
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 class ApiError(Exception):
@@ -54,6 +58,9 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None = None  # the top log-probabilities per token (0: the token's alone); None: off
+    tools: list | None = None  # OpenAI's shape: [{"type": "function", "function": {name, description, parameters}}]
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    tool_prefill: str = ""  # the start of a call the answer is pre-filled with (tools.prepare)
 
 
 @dataclass
@@ -236,6 +243,82 @@ def message_list(messages) -> list[dict]:
     return messages
 
 
+def check_tools(tools, param: str = "tools") -> list[dict] | None:
+    """OpenAI's `tools`: a list of {"type": "function", "function": {"name", "description",
+    "parameters"}} (None: no tools)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad(f"'{param}' must be a list", param, "invalid_type")
+    names = set()
+    for j, t in enumerate(tools):
+        where = f"{param}[{j}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+            raise bad(f"{where} must be an object with \"type\": \"function\" and a \"function\" object", where,
+                      "invalid_type")
+        f = t["function"]
+        name = f.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise bad(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', not {name!r}",
+                      f"{where}.function.name")
+        if name in names:
+            raise bad(f"{where}: two tools are named {name!r}", f"{where}.function.name")
+        names.add(name)
+        if not isinstance(f.get("description", ""), str):
+            raise bad(f"{where}.function.description must be a string", f"{where}.function.description", "invalid_type")
+        if not isinstance(f.get("parameters", {}), dict):
+            raise bad(f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters",
+                      "invalid_type")
+    return [{"type": "function", "function": t["function"]} for t in tools] or None
+
+
+def check_tool_choice(choice, tools: list | None) -> ToolChoice:
+    """OpenAI's `tool_choice`: "auto", "none", "required" or {"type": "function", "function":
+    {"name": ...}} naming one of `tools`."""
+    if choice is None:
+        return ToolChoice()
+    names = [t["function"]["name"] for t in tools or ()]
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise bad(f"'tool_choice' must be 'auto', 'none', 'required' or a named function, not {choice!r}",
+                      "tool_choice")
+        if choice == "required" and not names:
+            raise bad("'tool_choice' is 'required' but the request has no 'tools'", "tool_choice")
+        return ToolChoice(choice)
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise bad(f"'tool_choice' names the function {name!r}, which is not in 'tools'", "tool_choice")
+        return ToolChoice("named", name)
+    raise bad("'tool_choice' must be a string or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+              "tool_choice", "invalid_type")
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's tool_calls with each call's arguments as an object (the templates
+    render them with tojson)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or not calls:
+        raise bad(f"{where} must be a non-empty list", where, "invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise bad(f"{where}[{j}] needs a function with a name", f"{where}[{j}]", "invalid_type")
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad(f"{where}[{j}].function.arguments is not valid JSON", f"{where}[{j}].function.arguments",
+                          "invalid_value") from None
+        if not isinstance(args, dict):
+            raise bad(f"{where}[{j}].function.arguments must be a JSON object", f"{where}[{j}].function.arguments",
+                      "invalid_type")
+        out.append({"id": str(c.get("id") or ""), "type": "function", "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
 def parse_chat(body, served_ids: tuple[str, ...]) -> ChatRequest:
     common = _common(body, served_ids)
     messages = message_list(body.get("messages"))
@@ -245,9 +328,24 @@ def parse_chat(body, served_ids: tuple[str, ...]) -> ChatRequest:
         if role not in ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}",
                       f"messages[{i}].role")
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls is not None:
+            msg = {"role": role, "content": "" if m.get("content") is None else _message_text(m["content"], i),
+                   "tool_calls": _tool_calls(calls, i)}
+            out.append(msg)
+            continue
         if "content" not in m or m["content"] is None:
             raise bad(f"messages[{i}].content is required", f"messages[{i}].content", "missing_required_parameter")
-        out.append({"role": "system" if role == "developer" else role, "content": _message_text(m["content"], i)})
+        msg = {"role": "system" if role == "developer" else role, "content": _message_text(m["content"], i)}
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad(f"messages[{i}].tool_call_id is required in a tool message", f"messages[{i}].tool_call_id",
+                          "missing_required_parameter")
+            msg["tool_call_id"] = call_id
+        out.append(msg)
+    common.tools = check_tools(body.get("tools"))
+    common.tool_choice = check_tool_choice(body.get("tool_choice"), common.tools)
     common.logprobs = chat_logprobs(body)
     return ChatRequest(**common.__dict__, messages=out)
 
@@ -301,21 +399,28 @@ class OpenAIView:
     or a possible stop string, goes with the next chunk that has text, or with the last one)."""
 
     def __init__(self, kind: str, job_id: str, model: str, include_usage: bool, tokenizer=None,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, tools: ToolParser | None = None):
         self.kind, self.id, self.model, self.include_usage = kind, job_id, model, include_usage
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.tokenizer, self.logprobs = tokenizer, logprobs
         self._pending: list = []  # Token events whose logprobs have not gone out yet
         self._offset = 0  # completions' text_offset of the next token
+        self.tools = tools  # splits a chat answer into text and tool calls (a request with tools)
 
     @staticmethod
     def error_body(err: ApiError) -> dict:
         return err.body()
 
-    @staticmethod
-    def _reason(fin) -> str:
+    def _reason(self, fin) -> str:
+        if self.tools is not None and self.tools.calls:
+            return "tool_calls"
         return "length" if fin.finish_reason == "length" else "stop"
+
+    @staticmethod
+    def _call_object(call, index: int | None = None) -> dict:
+        out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        return out if index is None else {"index": index, **out}
 
     # -- logprobs ---------------------------------------------------------------------------
     def _token_text(self, token_id: int) -> tuple[str, list[int]]:
@@ -356,8 +461,13 @@ class OpenAIView:
     def whole(self, text: str, fin, tokens=()) -> dict:
         logprobs = self._logprobs(tokens)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": self._reason(fin)}
+            message = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                text, calls = split_events(self.tools.push(text) + self.tools.finish())
+                message["content"] = text if text.strip() or not calls else None
+                if calls:
+                    message["tool_calls"] = [self._call_object(c) for c in calls]
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": self._reason(fin)}
             return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                     "choices": [choice], "usage": openai_usage(fin), "system_fingerprint": None}
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": self._reason(fin)}
@@ -365,11 +475,14 @@ class OpenAIView:
                 "choices": [choice], "usage": openai_usage(fin)}
 
     # -- streamed -----------------------------------------------------------------------------
-    def _chunk(self, delta: str | None, reason: str | None, role: bool = False, logprobs: dict | None = None) -> str:
+    def _chunk(self, delta: str | None, reason: str | None, role: bool = False, logprobs: dict | None = None,
+               calls: list | None = None) -> str:
         if self.kind == "chat":
             d = {"role": "assistant"} if role else {}
             if delta is not None:
                 d["content"] = delta
+            if calls:
+                d["tool_calls"] = calls
             choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
@@ -394,10 +507,28 @@ class OpenAIView:
     def stream_token(self, event) -> str:
         if self.logprobs is not None:
             self._pending.append(event)
-        return self.stream_text(event.text)
+        if self.tools is None:
+            return self.stream_text(event.text)
+        return self._tool_events(self.tools.push(event.text))
+
+    def _tool_events(self, events, final: bool = False) -> str:
+        """Chunks for the tool parser's events: text as content, each call as a tool_calls delta
+        (OpenAI's: the call's index, id, type and name with its whole arguments in one delta)."""
+        out = []
+        for kind, value in events:
+            if kind == "text":
+                out.append(self.stream_text(value))
+            else:
+                index = self.tools.calls.index(value)
+                out.append(self._chunk(None, None, calls=[self._call_object(value, index)]))
+        if final:
+            out.append(self.stream_text("", final=True))
+        return "".join(out)
 
     def stream_end(self, fin) -> str:
-        out = [self.stream_text(fin.text, final=True),
+        tail = (self.stream_text(fin.text, final=True) if self.tools is None
+                else self._tool_events(self.tools.push(fin.text) + self.tools.finish(), final=True))
+        out = [tail,
                self._chunk(None if self.kind == "chat" else "", self._reason(fin))]
         if self.include_usage:
             out.append(_sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
