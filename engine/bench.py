@@ -308,15 +308,21 @@ class QARow:
     kv_bytes: int
     prompt_tokens: int       # the first question's prompt
     answers: list[str] = field(default_factory=list)
+    retrieval_tokens: int = 0    # the session's retrieval budget (0: the room the context leaves)
+    ttft_later_s: float = 0.0    # mean over the questions after the first
+    prefilled_mean: float = 0.0  # tokens prefilled per question (prompt less cached), mean
 
 
 def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_tokens: int = 24,
-           facts_path: Path = QA_FACTS, progress=None) -> list[QARow]:
+           facts_path: Path = QA_FACTS, retrieval_tokens: int | None = None,
+           progress=None) -> list[QARow]:
     """For each KV spec and size: a document of that many contexts read in auto mode (whole when
-    it fits, else retrieval; "ctx": a context-sized one read whole, the reference cold read),
-    its six questions asked in turn and the first one again. The disk cache is off so the
-    first question of each document is cold."""
-    from .session import ANSWER_RESERVE, Session
+    it fits, else retrieval with ``retrieval_tokens``, default the session's; "ctx": a
+    context-sized one read whole, the reference cold read), its six questions asked in turn and
+    the first one again. The disk cache is off so the first question of each document is cold."""
+    from .session import ANSWER_RESERVE, RETRIEVAL_TOKENS, Session
+
+    budget = RETRIEVAL_TOKENS if retrieval_tokens is None else retrieval_tokens
 
     facts = read_facts(facts_path)
     questions = [(f["question"], f["answers"]) for f in facts["facts"]]
@@ -330,7 +336,8 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
             for size, n_tokens in cases:
                 engine.prefix_cache().clear()
                 text = qa_document(engine.tokenizer, n_tokens, facts)
-                session = Session(engine, ctx=ctx, doc_mode="whole" if size == "ctx" else "auto")
+                session = Session(engine, ctx=ctx, doc_mode="whole" if size == "ctx" else "auto",
+                                  retrieval_tokens=budget)
                 label = "ctx" if size == "ctx" else f"{size:g}x"
                 doc = session.add_document(text=text, name=f"qa-{label}.txt", prefill=False)
                 stats, answers, correct = [], [], 0
@@ -349,11 +356,15 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
                     ttft_cached_s=again.stats.ttft_s,
                     ttft_mean_s=float(np.mean([s.ttft_s for s in stats])),
                     kv_bytes=max(s.kv_bytes for s in stats + [again.stats]),
-                    prompt_tokens=stats[0].prompt_tokens, answers=answers))
+                    prompt_tokens=stats[0].prompt_tokens, answers=answers,
+                    retrieval_tokens=budget if doc.mode == "retrieval" else 0,
+                    ttft_later_s=float(np.mean([s.ttft_s for s in stats[1:]] or [stats[0].ttft_s])),
+                    prefilled_mean=float(np.mean([s.prompt_tokens - s.cached_tokens for s in stats]))))
                 if progress:
                     r = rows[-1]
                     progress(f"{r.spec} {label}: {r.mode}, {r.correct}/{r.n_questions} correct, TTFT cold "
-                             f"{r.ttft_cold_s:.2f} s, cached {r.ttft_cached_s:.3f} s, mean {r.ttft_mean_s:.2f} s, "
+                             f"{r.ttft_cold_s:.2f} s, later {r.ttft_later_s:.2f} s, cached {r.ttft_cached_s:.3f} s, "
+                             f"prefilled {r.prefilled_mean:.0f} tokens per question, "
                              f"KV {r.kv_bytes:,} bytes, answers {r.answers}")
     finally:
         engine.disk_cache = saved_disk
@@ -367,16 +378,20 @@ def write_qa_report(rows: list[QARow], out: Path, *, model: str, ctx: int) -> di
         "",
         "Six facts planted at spread depths; an answer counts when it contains the fact "
         "(normalized). Auto mode: whole when the document fits, else retrieval. The ctx row is a "
-        "context-sized document read whole: the cold read a retrieval question is compared with.",
+        "context-sized document read whole: the cold read a retrieval question is compared with. "
+        "Budget: the retrieval budget in tokens (0: the room the context leaves); TTFT later: the "
+        "mean over questions 2-6; prefilled: tokens prefilled per question (prompt less cached).",
         "",
-        "| KV | size | doc tokens | read | correct | TTFT cold s | TTFT cached s | TTFT mean s | prompt tokens | KV MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| KV | size | doc tokens | read | budget | correct | TTFT cold s | TTFT later s | TTFT cached s "
+        "| prefilled | prompt tokens | KV MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         size = "ctx" if r.size == "ctx" else f"{r.size:g}×"
-        lines.append(f"| {r.spec} | {size} | {r.doc_tokens:,} | {r.mode} | {r.correct}/{r.n_questions} | "
-                     f"{r.ttft_cold_s:.2f} | {r.ttft_cached_s:.3f} | {r.ttft_mean_s:.2f} | "
-                     f"{r.prompt_tokens:,} | {_mib(r.kv_bytes)} |")
+        budget = f"{r.retrieval_tokens:,}" if r.mode == "retrieval" else "–"
+        lines.append(f"| {r.spec} | {size} | {r.doc_tokens:,} | {r.mode} | {budget} | {r.correct}/{r.n_questions} | "
+                     f"{r.ttft_cold_s:.2f} | {r.ttft_later_s:.2f} | {r.ttft_cached_s:.3f} | "
+                     f"{r.prefilled_mean:,.0f} | {r.prompt_tokens:,} | {_mib(r.kv_bytes)} |")
     md = out / "bench-qa.md"
     md.write_text("\n".join(lines) + "\n")
     data = out / "bench-qa.json"

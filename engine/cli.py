@@ -291,7 +291,8 @@ def _session(args):
         args.ctx = fit.default_context_file(_resolve(args.model), args.kv)
     engine = _load_engine(args)
     session = Session(engine, system_prompt=getattr(args, "system", None), ctx=args.ctx,
-                      overflow=args.overflow, doc_mode=args.doc_mode)
+                      overflow=args.overflow, doc_mode=args.doc_mode,
+                      retrieval_tokens=args.retrieval_tokens)
     for path in args.doc or []:
         doc = session.add_document(path, prefill=args.prefill_docs)
         how = "whole" if doc.mode == "whole" else f"by retrieval, {len(doc.index.chunks):,} sections"
@@ -421,6 +422,7 @@ def _bench_qa(args, path: Path) -> int:
             raise CLIError(f"--qa-sizes takes numbers (or ctx) separated by commas, e.g. ctx,4,16; "
                            f"not {args.qa_sizes!r}") from None
     rows = bench.run_qa(engine, specs, ctx=args.ctx, sizes=sizes, max_tokens=args.max_tokens,
+                        retrieval_tokens=args.retrieval_tokens,
                         progress=lambda msg: print(msg, file=sys.stderr))
     paths = bench.write_qa_report(rows, Path(args.out), model=engine.name, ctx=args.ctx)
     print(paths["markdown"].read_text())
@@ -751,6 +753,29 @@ def _add_session(p) -> None:
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="rolling",
                    help="at the context limit: stop, rolling (drop oldest conversation), "
                         "attention (drop least attended)")
+    _add_retrieval_tokens(p)
+
+
+def _retrieval_tokens_arg(value: str) -> int:
+    from .retrieval import check_retrieval_tokens
+
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of tokens, not {value!r}") from None
+    try:
+        return check_retrieval_tokens(n)
+    except OmlxError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_retrieval_tokens(p) -> None:
+    from .retrieval import MIN_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS
+
+    p.add_argument("--retrieval-tokens", type=_retrieval_tokens_arg, default=RETRIEVAL_TOKENS, metavar="N",
+                   help=f"documents read by retrieval: per question, the best sections up to N tokens "
+                        f"(default {RETRIEVAL_TOKENS}; 0: as many as the context has room for; "
+                        f"else at least {MIN_RETRIEVAL_TOKENS})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -866,6 +891,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "k8v8, k6v4, k4v4; writes bench-qa.md, .json, .png")
     p.add_argument("--qa-sizes", metavar="X,Y", help="with --qa: document sizes as multiples of the "
                    "context, ctx for a context-sized one read whole (default ctx,0.5,1,4,16)")
+    _add_retrieval_tokens(p)
     _add_force(p)
     _add_arith(p)
     p.set_defaults(func=cmd_bench)

@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from .documents import PAGE_BREAK
-from .errors import DocumentError
+from .errors import DocumentError, SettingsError
 
 log = logging.getLogger("omlx.retrieval")
 
@@ -45,6 +45,27 @@ CHUNK_TOKENS = 320
 OVERLAP_TOKENS = 64
 INDEX_FORMAT = 1
 SECTION_OVERHEAD_TOKENS = 12  # a section's "[lines 120-161]" label and the blank lines around it
+MIN_RETRIEVAL_TOKENS = CHUNK_TOKENS + SECTION_OVERHEAD_TOKENS  # room for one chunk and its label
+# Tokens of retrieved sections per question (the best chunks up to this, if the context has the
+# room): chosen by measurement (docs/performance.md, "retrieval budget"); 0 fills the room left.
+RETRIEVAL_TOKENS = 800
+
+
+def check_retrieval_tokens(n) -> int:
+    """``n`` as a retrieval budget: 0 (fill the room the context leaves) or at least
+    MIN_RETRIEVAL_TOKENS (one section and its label).
+
+    Raises:
+        SettingsError: anything else.
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise SettingsError(f"the retrieval budget must be a whole number of tokens, not {n!r}")
+    value = int(n)
+    if value != 0 and value < MIN_RETRIEVAL_TOKENS:
+        raise SettingsError(f"the retrieval budget must be 0 (fill the context) or at least "
+                            f"{MIN_RETRIEVAL_TOKENS} tokens (one section and its label), not {value:,}")
+    return value
+
 
 # Scripts written without spaces between words: Han (CJK ideographs, extensions A and B and the
 # compatibility block), Japanese kana, Hangul (syllables, jamo) and Thai (with its vowel and tone
@@ -453,4 +474,5 @@ def render_sections(document: str, found: Sequence[Section]) -> str:
 
 __all__ = ["Unit", "Chunk", "Section", "Candidate", "DocumentIndex", "rank", "select", "sections",
            "render_sections", "words", "split_units", "pack_chunks", "CHUNK_TOKENS",
-           "OVERLAP_TOKENS", "SECTION_OVERHEAD_TOKENS"]
+           "OVERLAP_TOKENS", "SECTION_OVERHEAD_TOKENS", "MIN_RETRIEVAL_TOKENS", "RETRIEVAL_TOKENS",
+           "check_retrieval_tokens"]

@@ -36,13 +36,12 @@ TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".text", ".rst", ".csv", ".log", ".
 
 from .documents import document_text, plain_text, read_document  # noqa: E402,F401  (read_document: its old home)
 from .errors import DocumentError  # noqa: E402,F401
-from .retrieval import CHUNK_TOKENS, SECTION_OVERHEAD_TOKENS  # noqa: E402
+from .retrieval import (  # noqa: E402,F401  (the budget, also for Session's callers)
+    MIN_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS, check_retrieval_tokens,
+)
 
 DOC_MODES = ("auto", "whole", "retrieval")
 ANSWER_MARGIN = 32  # tokens kept free beyond max_tokens when retrieved sections fill the context
-MIN_RETRIEVAL_TOKENS = CHUNK_TOKENS + SECTION_OVERHEAD_TOKENS  # room for one chunk and its label
-
-
 @dataclass
 class Document:
     name: str
@@ -124,10 +123,13 @@ class Session(MessageLog):
             document that does not fit is refused), "retrieval" (per question, the sections
             that match it best, as many as the context has room for) or "auto" (whole while
             the documents fit, retrieval for those that do not).
+        retrieval_tokens: per question, the tokens of retrieved sections at most (default
+            RETRIEVAL_TOKENS; 0: as many as the context has room for).
     """
 
     def __init__(self, engine: Engine, *, system_prompt: str | None = None, ctx: int | None = None,
-                 overflow: str = "rolling", doc_mode: str = "whole"):
+                 overflow: str = "rolling", doc_mode: str = "whole",
+                 retrieval_tokens: int = RETRIEVAL_TOKENS):
         self.engine = engine
         self.system_prompt = system_prompt
         self.ctx = engine.model.context_length if ctx is None else int(ctx)
@@ -140,6 +142,7 @@ class Session(MessageLog):
         if doc_mode not in DOC_MODES:
             raise EngineError(f"document mode must be one of {', '.join(DOC_MODES)}, not {doc_mode!r}")
         self.doc_mode = doc_mode
+        self.retrieval_tokens = check_retrieval_tokens(retrieval_tokens)
         self._plan_key: tuple | None = None
         self.last_sections: list = []  # engine.retrieval.Section: what the last turn was shown
         self.documents: list[Document] = []
@@ -165,6 +168,10 @@ class Session(MessageLog):
         self._release_live()
         self._plan()
         self._repin()
+
+    def set_retrieval_tokens(self, n: int) -> None:
+        """The retrieval budget from the next question on (see the class's ``retrieval_tokens``)."""
+        self.retrieval_tokens = check_retrieval_tokens(n)
 
     def set_doc_mode(self, mode: str, *, progress: Callable[[int, int], None] | None = None,
                      cancel: threading.Event | None = None) -> None:
@@ -390,10 +397,10 @@ class Session(MessageLog):
 
     def _retrieve(self, conversation: list[dict], max_tokens: int) -> list:
         """The sections of the retrieval documents for the conversation's last user message:
-        the best chunks that fit the context left after the system prompt, the whole documents,
-        the conversation (at most half the context: the overflow policy drops older turns) and
-        the answer's room (max_tokens + ANSWER_MARGIN, at least ANSWER_RESERVE), in document
-        order."""
+        the best chunks that fit the retrieval budget (``retrieval_tokens``) and the context left
+        after the system prompt, the whole documents, the conversation (at most half the context:
+        the overflow policy drops older turns) and the answer's room (max_tokens + ANSWER_MARGIN,
+        at least ANSWER_RESERVE), in document order."""
         from . import retrieval
 
         docs = self._retrieval_documents()
@@ -405,6 +412,8 @@ class Session(MessageLog):
         answer_room = max(max_tokens + ANSWER_MARGIN, ANSWER_RESERVE)
         room = self.ctx - base_prefix - conversation_tokens - answer_room
         budget = room - 16 * len(docs)  # each document's heading
+        if self.retrieval_tokens:
+            budget = min(budget, self.retrieval_tokens)
         ranked = retrieval.rank(question, [(d.name, d.index) for d in docs])
         chosen = retrieval.select(ranked, budget) if budget >= MIN_RETRIEVAL_TOKENS else []
         if not chosen:
@@ -646,4 +655,4 @@ class Session(MessageLog):
 
 
 __all__ = ["Session", "Document", "DocumentError", "read_document", "ANSWER_RESERVE", "DOC_MODES",
-           "StreamChunk"]
+           "RETRIEVAL_TOKENS", "MIN_RETRIEVAL_TOKENS", "check_retrieval_tokens", "StreamChunk"]
