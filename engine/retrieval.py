@@ -422,15 +422,43 @@ def rank(question: str, documents: Iterable[tuple[str, DocumentIndex]]) -> list[
     return matched + rest
 
 
-def select(candidates: Sequence[Candidate], budget_tokens: int) -> list[Candidate]:
-    """The best candidates whose tokens (with a section label each) fit ``budget_tokens``."""
+def select(candidates: Sequence[Candidate], budget_tokens: int, *, min_ratio: float = 0.0
+           ) -> list[Candidate]:
+    """The best candidates whose tokens (with a section label each) fit ``budget_tokens``.
+
+    When some candidates match the question (score > 0), only those are taken, and only those
+    scoring at least ``min_ratio`` times the best: text sharing no word with the question is
+    not shown beside the text that does. A chunk overlapping one already chosen (the fact in a
+    chunk's overlap is in both) waits until the chunks that add other text are taken; it then
+    costs only its units not yet shown. A question matching nothing gets the candidates in
+    their order (the beginning of the documents)."""
+    best = max((c.score for c in candidates), default=0.0)
+    if best > 0:
+        candidates = [c for c in candidates if c.score > 0 and c.score >= min_ratio * best]
     chosen: list[Candidate] = []
+    shown: dict[int, set[int]] = {}  # id(index) -> the units of its chosen chunks
+    deferred: list[Candidate] = []
     used = 0
     for c in candidates:
+        chunk = c.index.chunks[c.chunk]
+        units = shown.setdefault(id(c.index), set())
+        if any(j in units for j in range(chunk.first, chunk.last + 1)):
+            deferred.append(c)
+            continue
         cost = c.n_tokens + SECTION_OVERHEAD_TOKENS
         if used + cost <= budget_tokens:
             chosen.append(c)
             used += cost
+            units.update(range(chunk.first, chunk.last + 1))
+    for c in deferred:
+        chunk = c.index.chunks[c.chunk]
+        units = shown[id(c.index)]
+        new = [j for j in range(chunk.first, chunk.last + 1) if j not in units]
+        cost = sum(c.index.units[j].n_tokens + 1 for j in new)
+        if new and used + cost <= budget_tokens:
+            chosen.append(c)
+            used += cost
+            units.update(new)
     return chosen
 
 

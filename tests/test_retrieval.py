@@ -13,7 +13,7 @@ import pytest
 
 from engine import retrieval
 from engine.documents import join_pages
-from engine.errors import DocumentError, EngineError
+from engine.errors import DocumentError, EngineError, SettingsError
 from engine.retrieval import DocumentIndex, pack_chunks, render_sections, split_units
 
 from .tiny_gguf import write_tiny_model
@@ -180,6 +180,65 @@ def test_a_conversation_with_a_retrieval_document_keeps_within_the_context(tiny)
         result = session.send(f"When do boats leave? ({i})", max_tokens=8).result
         assert result.stats.prompt_tokens + 8 <= session.ctx
     assert len(session.messages) == 6
+
+
+def test_the_retrieval_budget_bounds_the_sections_of_each_question(tiny):
+    from engine.session import MIN_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS, Session
+
+    text = planted({10: "Boats leave at noon.", 60: "The access code for the north gate is 4471."})
+    question = "What is the access code for the north gate?"
+    room = Session(tiny, ctx=2048, doc_mode="retrieval", retrieval_tokens=0)
+    room.add_document(text=text, name="big.txt")
+    filled = room.ask(question, max_tokens=2)
+    assert filled.result.stats.prompt_tokens > 1400
+    session = Session(tiny, ctx=2048, doc_mode="retrieval")
+    assert session.retrieval_tokens == RETRIEVAL_TOKENS
+    session.add_document(text=text, name="big.txt")
+    for budget in (MIN_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS):
+        session.set_retrieval_tokens(budget)
+        gen = session.ask(question, max_tokens=2)
+        gen.result
+        shown = sum(s.n_tokens + retrieval.SECTION_OVERHEAD_TOKENS for s in session.last_sections)
+        assert 0 < shown <= budget
+        assert any("4471" in s.text for s in session.last_sections)
+        assert gen.result.stats.prompt_tokens < filled.result.stats.prompt_tokens
+    assert sum(r["tokens"] for r in filled.retrieved) > RETRIEVAL_TOKENS * 3 // 2  # 0: the whole room
+    for bad in (100, -5, 1.5, "800", True):
+        with pytest.raises(SettingsError, match="retrieval budget must be"):
+            session.set_retrieval_tokens(bad)
+    assert session.retrieval_tokens == RETRIEVAL_TOKENS
+    with pytest.raises(SettingsError, match=f"at least {MIN_RETRIEVAL_TOKENS} tokens"):
+        Session(tiny, ctx=2048, retrieval_tokens=200)
+
+
+def test_questions_that_share_sections_share_a_kv_prefix(tiny):
+    """Sections come in document order after the system prompt, so a question whose first
+    sections are another's reuses their KV blocks instead of prefilling them again."""
+    from engine.session import Session
+
+    facts = {8: "The lighthouse keeper Oskarine feeds the seven herons.",
+             60: "The ferry to Lindholm leaves at twenty to seven.",
+             110: "Doctor Okafor keeps the spare lanterns in the blue cupboard."}
+    session = Session(tiny, ctx=2048, doc_mode="retrieval", system_prompt="Answer from the documents.",
+                      retrieval_tokens=800)
+    session.add_document(text=planted(facts, 130), name="town.txt")
+    n_system = session.render([], add_generation_prompt=False)[1]  # the system prompt alone
+    session.ask("Oskarine herons lighthouse keeper, and the ferry to Lindholm?", max_tokens=2).result
+    first_ids = session.render([{"role": "user", "content": "x"}], sections=session.last_sections)[0]
+    shown_first = [s.text for s in session.last_sections]
+    second = session.ask("Oskarine herons lighthouse keeper, and Okafor's spare lanterns?", max_tokens=2)
+    stats = second.result.stats
+    shown_second = [s.text for s in session.last_sections]
+    assert facts[8] in shown_first[0] and facts[8] in shown_second[0]  # the same first section
+    assert any(facts[60] in t for t in shown_first) and not any(facts[60] in t for t in shown_second)
+    assert any(facts[110] in t for t in shown_second)
+    second_ids = session.render([{"role": "user", "content": "x"}], sections=session.last_sections)[0]
+    common = next(i for i, (a, b) in enumerate(zip(first_ids, second_ids)) if a != b)
+    first_section = session.last_sections[0].n_tokens
+    assert common > n_system + first_section
+    assert stats.cached_tokens > n_system + first_section // 2, (stats.cached_tokens, n_system, common)
+    assert stats.cached_tokens <= common
+    assert stats.prompt_tokens - stats.cached_tokens < stats.prompt_tokens - n_system - first_section // 2
 
 
 # -- the real model ---------------------------------------------------------------------------
