@@ -323,6 +323,7 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
     from .session import ANSWER_RESERVE, RETRIEVAL_TOKENS, Session
 
     budget = RETRIEVAL_TOKENS if retrieval_tokens is None else retrieval_tokens
+    _warm_up(engine, progress)
 
     facts = read_facts(facts_path)
     questions = [(f["question"], f["answers"]) for f in facts["facts"]]
@@ -369,6 +370,22 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
     finally:
         engine.disk_cache = saved_disk
     return rows
+
+
+def _warm_up(engine, progress=None) -> None:
+    """The kernels compiled or loaded (engine.warmup runs them in the background) and one short
+    prompt answered, so the first cold read measures prefill, not compilation."""
+    from .kernels import background
+    from .session import Session
+
+    t0 = time.perf_counter()
+    background.wait(timeout=600)
+    session = Session(engine, ctx=256)
+    session.ask("Say hello.", max_tokens=2).result
+    session.close()
+    engine.prefix_cache().clear()
+    if progress:
+        progress(f"warm-up: kernels ready and a short prompt answered in {time.perf_counter() - t0:.1f} s")
 
 
 def write_qa_report(rows: list[QARow], out: Path, *, model: str, ctx: int) -> dict[str, Path]:
