@@ -204,4 +204,5 @@ class ConversationsController(QObject):
         messages = tuple({"role": m.role, "content": m.content} for m in w.store.messages(conv.id)
                          if m.role in ("user", "assistant") and (m.role == "user" or m.content))
         w.request(OpenConversation(conv.id, conv.system_prompt, messages,
-                                   w.docs.stored_for_worker(conv.id), w.docs.mode_for(conv.id)))
+                                   w.docs.stored_for_worker(conv.id), w.docs.mode_for(conv.id),
+                                   w.docs.budget_for(conv.id)))

@@ -5,7 +5,9 @@ Rows and the worker know a document by a key: ``d<id>`` for one from the Store, 
 one still being read; ``doc_ids`` maps keys to Store ids once a document is in the Store.
 
 Each conversation has a document mode (Auto, Whole document, Retrieval; a Store setting
-``doc_mode:<conversation id>``, Auto when never chosen). A document that does not fit keeps its
+``doc_mode:<conversation id>``, Auto when never chosen) and a retrieval budget, the tokens of
+sections per answer (``retrieval_tokens:<conversation id>``, engine.retrieval.RETRIEVAL_TOKENS
+when never chosen, 0 for "fill the context"). A document that does not fit keeps its
 row with the fix in place: raise the context (when the model and memory allow one that holds
 it) or use retrieval; either re-adds it. The sections an answer was shown are listed under it in
 the transcript; clicking one opens :class:`SectionPreview` on the document's text.
@@ -21,8 +23,10 @@ from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QPlainTextEdit,
 
 from .protocol import (
     AddDocument, DocumentAdded, DocumentFailed, DocumentPinned, DocumentsChanged, RemoveDocument,
-    SetDocMode, SetPinned, StoredDocument,
+    SetDocMode, SetPinned, SetRetrievalTokens, StoredDocument,
 )
+from engine.retrieval import RETRIEVAL_TOKENS
+
 from .store import NotFound
 from .window_surface import WindowSurface
 
@@ -73,6 +77,7 @@ class DocumentsController(QObject):
         panel.pinToggled.connect(self.set_pinned)
         panel.removeRequested.connect(self.remove)
         panel.docModeChanged.connect(self.set_mode)
+        panel.retrievalTokensChanged.connect(self.set_budget)
         panel.raiseContextRequested.connect(self.raise_context)
         panel.useRetrievalRequested.connect(self.use_retrieval)
         sections = getattr(window.transcript, "sectionRequested", None)
@@ -98,6 +103,22 @@ class DocumentsController(QObject):
                 if key in self.doc_ids and row.pin.isChecked():
                     self.w.documents.set_progress(key, 0, 1)
             self.w.request(SetDocMode(conv, mode))
+
+    def budget_for(self, conv_id: int) -> int:
+        """The conversation's retrieval budget (tokens of sections per answer, 0: fill the
+        context)."""
+        value = self.w.store.get_setting(f"retrieval_tokens:{conv_id}", RETRIEVAL_TOKENS)
+        return value if isinstance(value, int) and not isinstance(value, bool) else RETRIEVAL_TOKENS
+
+    def set_budget(self, tokens: int) -> None:
+        """The open conversation's retrieval budget from its next answer on."""
+        conv = self._conv()
+        if conv is None:
+            conv = self.w.conversations.new()
+        self.w.store.set_setting(f"retrieval_tokens:{conv}", int(tokens))
+        self.w.documents.set_retrieval_tokens(int(tokens))
+        if self.w.models.model_info is not None:
+            self.w.request(SetRetrievalTokens(conv, int(tokens)))
 
     def raise_context(self, key: str, ctx: int) -> None:
         """The row's offer: the context goes up to ``ctx`` (the KV panel's setting, which the
@@ -148,6 +169,7 @@ class DocumentsController(QObject):
         panel.clear()
         self._refused.clear()
         panel.set_doc_mode(self.mode_for(conv_id))
+        panel.set_retrieval_tokens(self.budget_for(conv_id))
         for d in self.w.store.documents(conv_id):
             key = f"d{d.id}"
             self.doc_ids[key] = d.id

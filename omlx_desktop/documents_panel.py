@@ -1,7 +1,8 @@
 """The pinned documents of the open conversation: one row per document with its name, token
 count, a progress bar while it is read into the KV cache, a "cached" badge once its blocks are
 pinned, and pin / remove controls. Above them, the conversation's document mode: Auto (whole
-while documents fit the context, else retrieval), Whole document, Retrieval.
+while documents fit the context, else retrieval), Whole document, Retrieval; and its retrieval
+budget, the tokens of sections per answer (a spin box; its lowest value means "fill the context").
 
 A document read by retrieval says so ("retrieval, 30 sections") and, when a context the model
 and the memory allow would hold it whole, offers to raise the context (a button in its row). A
@@ -10,7 +11,7 @@ it fit (raise the context, use retrieval) instead of vanishing.
 
 Rows are keyed by the string the window and the worker use for the document. The panel emits
 requests (``addFilesRequested``, ``pinToggled``, ``removeRequested``, ``docModeChanged``,
-``raiseContextRequested``, ``useRetrievalRequested``) and shows what it is told; it never talks
+``raiseContextRequested``, ``useRetrievalRequested``, ``retrievalTokensChanged``) and shows what it is told; it never talks
 to the engine or the Store itself.
 """
 
@@ -19,8 +20,10 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox, QComboBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton,
-    QScrollArea, QToolButton, QVBoxLayout, QWidget,
+    QScrollArea, QSpinBox, QToolButton, QVBoxLayout, QWidget,
 )
+
+from engine.retrieval import MIN_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS
 
 DOCUMENT_FILTER = "Documents (*.txt *.md *.markdown *.pdf);;All files (*)"
 DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".text", ".rst", ".pdf", ".csv", ".log", ".json")
@@ -29,8 +32,10 @@ DOC_MODES = (("auto", "Auto"), ("whole", "Whole document"), ("retrieval", "Retri
 DOC_MODE_TIPS = {
     "auto": "Documents that fit the context are read whole; longer ones by retrieval",
     "whole": "Every pinned document is read whole (one that does not fit the context is refused)",
-    "retrieval": "Per question, the sections that match it best fill the context",
+    "retrieval": "Per question, the sections that match it best, up to the budget below",
 }
+FILL_CONTEXT = MIN_RETRIEVAL_TOKENS - 1  # the budget spin box's lowest value: "fill the context" (0)
+MAX_RETRIEVAL_TOKENS = 131_072
 
 BADGE_STYLE = ("QLabel { background: #16a34a; color: white; border-radius: 7px;"
                " padding: 1px 7px; font-size: 11px; font-weight: 600; }")
@@ -180,6 +185,7 @@ class DocumentsPanel(QWidget):
     docModeChanged = Signal(str)            # "auto" | "whole" | "retrieval"
     raiseContextRequested = Signal(str, int)  # key, context
     useRetrievalRequested = Signal(str)     # key
+    retrievalTokensChanged = Signal(int)    # tokens of sections per answer (0: fill the context)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -201,10 +207,28 @@ class DocumentsPanel(QWidget):
         self.mode_box.setToolTip("How this conversation's documents are put in the prompt")
         self.mode_box.currentIndexChanged.connect(
             lambda i: self.docModeChanged.emit(self.mode_box.itemData(i)))
+        self.mode_box.currentIndexChanged.connect(lambda _i: self._enable_budget())
         mode_row = QHBoxLayout()
         mode_row.setContentsMargins(0, 0, 0, 0)
         mode_row.addWidget(QLabel("Read documents:"))
         mode_row.addWidget(self.mode_box, 1)
+        self.budget_spin = QSpinBox()
+        self.budget_spin.setRange(FILL_CONTEXT, MAX_RETRIEVAL_TOKENS)
+        self.budget_spin.setSingleStep(100)
+        self.budget_spin.setSpecialValueText("fill the context")
+        self.budget_spin.setSuffix(" tokens")
+        self.budget_spin.setKeyboardTracking(False)  # one change when the typing is done
+        self.budget_spin.setToolTip(
+            "Documents read by retrieval: per answer, the best sections up to this many tokens. "
+            "Fewer tokens answer sooner and mix in less unrelated text; more can hold facts "
+            "spread over several sections")
+        self.budget_spin.valueChanged.connect(
+            lambda _v: self.retrievalTokensChanged.emit(self.retrieval_tokens()))
+        budget_row = QHBoxLayout()
+        budget_row.setContentsMargins(0, 0, 0, 0)
+        self.budget_label = QLabel("Sections per answer:")
+        budget_row.addWidget(self.budget_label)
+        budget_row.addWidget(self.budget_spin, 1)
 
         self.empty_label = QLabel("No documents pinned to this conversation.")
         self.empty_label.setStyleSheet("color: palette(mid);")
@@ -224,8 +248,11 @@ class DocumentsPanel(QWidget):
         layout.setContentsMargins(6, 6, 6, 6)
         layout.addLayout(head)
         layout.addLayout(mode_row)
+        layout.addLayout(budget_row)
         layout.addWidget(scroll, 1)
         self.add_button.clicked.connect(self.choose_files)
+        self.set_retrieval_tokens(RETRIEVAL_TOKENS)
+        self._enable_budget()
 
     def choose_files(self) -> None:
         paths, _ = QFileDialog.getOpenFileNames(self, "Pin documents", "", DOCUMENT_FILTER)
@@ -241,6 +268,21 @@ class DocumentsPanel(QWidget):
         self.mode_box.blockSignals(True)
         self.mode_box.setCurrentIndex(index)
         self.mode_box.blockSignals(False)
+        self._enable_budget()
+
+    def _enable_budget(self) -> None:
+        self.budget_spin.setEnabled(self.doc_mode() != "whole")
+
+    def retrieval_tokens(self) -> int:
+        value = self.budget_spin.value()
+        return 0 if value == FILL_CONTEXT else value
+
+    def set_retrieval_tokens(self, tokens: int) -> None:
+        """Shows the budget ``tokens`` (0: fill the context) without emitting
+        retrievalTokensChanged."""
+        self.budget_spin.blockSignals(True)
+        self.budget_spin.setValue(FILL_CONTEXT if not tokens else int(tokens))
+        self.budget_spin.blockSignals(False)
 
     # -- rows -----------------------------------------------------------------------------
     def add_row(self, key: str, name: str) -> DocumentRow:

@@ -88,6 +88,8 @@ class OpenConversation:
     messages: tuple[dict, ...] = ()
     documents: tuple[StoredDocument, ...] = ()
     doc_mode: str = "auto"      # engine.session.DOC_MODES: how its documents are in the prompt
+    retrieval_tokens: int | None = None  # per answer, the tokens of retrieved sections (None: the
+                                         # engine's default; 0: the room the context leaves)
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,15 @@ class SetDocMode:
 
     conv: int
     mode: str
+
+
+@dataclass(frozen=True)
+class SetRetrievalTokens:
+    """The conversation's retrieval budget: per answer, the tokens of retrieved sections at most
+    (0: as many as the context has room for); from the next answer on."""
+
+    conv: int
+    tokens: int
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,8 @@ class DocsSurface(Protocol):
 
     def mode_for(self, conv_id: int) -> str: ...
 
+    def budget_for(self, conv_id: int) -> int: ...
+
 
 @runtime_checkable
 class WindowSurface(Protocol):

@@ -33,7 +33,7 @@ from .protocol import (
     AddDocument, ArithApplied, ArithCost, Configure, ConnectRemote, DocumentAdded, DocumentFailed, DocumentInfo,
     DocumentPinned, DocumentsChanged, Failure, FetchModel, FitCheck, KVApplied, KVProfileReady, ListRemoteModels,
     LoadModel, MeasureArithCost, MeasureKVProfile, ModelInfo, OpenConversation, RemoteModels, RemoveDocument,
-    SendMessage, SetArith, SetDocMode, SetPinned, Shutdown, TurnFailed, TurnFinished,
+    SendMessage, SetArith, SetDocMode, SetPinned, SetRetrievalTokens, Shutdown, TurnFailed, TurnFinished,
 )
 
 log = logging.getLogger("omlx.desktop.worker")
@@ -157,7 +157,8 @@ class EngineWorker(QObject):
             OpenConversation: self.open_conversation, SendMessage: self.send,
             AddDocument: self.add_document, SetPinned: self.set_pinned,
             RemoveDocument: self.remove_document, MeasureKVProfile: self.measure_kv_profile,
-            SetDocMode: self.set_doc_mode, Shutdown: self.shutdown,
+            SetDocMode: self.set_doc_mode, SetRetrievalTokens: self.set_retrieval_tokens,
+            Shutdown: self.shutdown,
             ListRemoteModels: self.list_remote_models, ConnectRemote: self.connect_remote,
             SetArith: self.set_arith, MeasureArithCost: self.measure_arith_cost,
         }
@@ -420,7 +421,8 @@ class EngineWorker(QObject):
                 log.exception("closing the session failed")
             self.session = None
 
-    def _new_session(self, system_prompt: str | None, doc_mode: str = "auto"):
+    def _new_session(self, system_prompt: str | None, doc_mode: str = "auto",
+                     retrieval_tokens: int | None = None):
         from engine.session import Session
 
         if self.remote is not None:
@@ -430,8 +432,14 @@ class EngineWorker(QObject):
                                  doc_mode=doc_mode)
         e = self.engine
         ctx = min(self.ctx or e.model.context_length, e.model.context_length)
-        return Session(e, system_prompt=system_prompt, ctx=ctx, overflow=self.overflow,
-                       doc_mode=doc_mode)
+        session = Session(e, system_prompt=system_prompt, ctx=ctx, overflow=self.overflow,
+                          doc_mode=doc_mode)
+        if retrieval_tokens is not None:
+            try:
+                session.set_retrieval_tokens(retrieval_tokens)
+            except OmlxError as exc:  # a bad stored value: the default stays, and it is said
+                self.error.emit(Failure(exc.kind, f"retrieval budget not applied: {exc.user_message}"))
+        return session
 
     def open_conversation(self, request: OpenConversation) -> None:
         """A new Session for the conversation: its messages, then its documents re-added (the
@@ -444,7 +452,8 @@ class EngineWorker(QObject):
         try:
             self._close_session()
             self._apply_settings()
-            session = self._new_session(request.system_prompt, request.doc_mode)
+            session = self._new_session(request.system_prompt, request.doc_mode,
+                                        request.retrieval_tokens)
             self.session, self.conv = session, conv
             session.load_messages(request.messages)
             for d in request.documents:
@@ -643,6 +652,17 @@ class EngineWorker(QObject):
                     self.documentPinned.emit(DocumentPinned(conv, d.id, True))
         self._publish_kv()
         self.documentsChanged.emit(self._documents(conv))
+
+    def set_retrieval_tokens(self, request: SetRetrievalTokens) -> None:
+        """The conversation's retrieval budget, from its next answer on (a remote server reads
+        documents whole: nothing to set)."""
+        try:
+            self._check_conv(request.conv)
+            setter = getattr(self.session, "set_retrieval_tokens", None)
+            if setter is not None:
+                setter(request.tokens)
+        except Exception as exc:
+            self.error.emit(failure_of(exc, f"retrieval budget {request.tokens} refused"))
 
     def remove_document(self, request: RemoveDocument) -> None:
         try:

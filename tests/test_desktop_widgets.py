@@ -201,6 +201,29 @@ def test_documents_panel_rows(qtbot):
     assert panel.keys() == [] and panel.empty_label.isVisibleTo(panel)
 
 
+def test_documents_panel_retrieval_budget(qtbot):
+    from engine.retrieval import MIN_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS
+
+    panel = DocumentsPanel()
+    qtbot.addWidget(panel)
+    changes = []
+    panel.retrievalTokensChanged.connect(changes.append)
+    assert panel.retrieval_tokens() == RETRIEVAL_TOKENS and panel.budget_spin.isEnabled()
+    panel.budget_spin.setValue(1200)
+    panel.budget_spin.setValue(panel.budget_spin.minimum())  # the lowest value: fill the context
+    assert changes == [1200, 0] and panel.budget_spin.text() == "fill the context"
+    panel.budget_spin.setValue(100)  # below one section: not a value it takes
+    assert panel.budget_spin.value() >= MIN_RETRIEVAL_TOKENS - 1
+    panel.set_retrieval_tokens(400)  # shown, not emitted (a conversation opened)
+    assert panel.retrieval_tokens() == 400 and panel.budget_spin.text() == "400 tokens"
+    panel.set_retrieval_tokens(0)
+    assert panel.budget_spin.text() == "fill the context" and changes == [1200, 0]
+    panel.mode_box.setCurrentIndex(panel.mode_box.findData("whole"))
+    assert not panel.budget_spin.isEnabled()  # read whole: no sections to budget
+    panel.set_doc_mode("auto")
+    assert panel.budget_spin.isEnabled()
+
+
 def test_kv_holder_is_read_while_written():
     holder = KVHolder()
     stop = threading.Event()

@@ -112,3 +112,39 @@ def test_a_document_that_fits_a_larger_context_is_offered_it_and_the_error_clear
     answer = ask(window, "What is this document about?", 8)
     assert answer["stats"]["retrieved"] == []  # read whole
     window.kv_panel.ctx_spin.setValue(4096)
+
+
+def test_the_retrieval_budget_is_set_per_conversation_and_bounds_the_sections(window, tmp_path):
+    from engine.retrieval import RETRIEVAL_TOKENS, SECTION_OVERHEAD_TOKENS
+    from omlx_desktop.documents_panel import FILL_CONTEXT
+
+    window.new_conversation()
+    window.kv_panel.ctx_spin.setValue(2048)
+    panel = window.documents
+    assert panel.retrieval_tokens() == RETRIEVAL_TOKENS and panel.budget_spin.isEnabled()
+    paragraphs = GPL.split("\n\n")
+    paragraphs.insert(len(paragraphs) // 3, FACT)
+    doc = tmp_path / "budget.txt"
+    doc.write_text("\n\n".join(paragraphs))
+    drop(window, doc)
+    key = window.documents.keys()[-1]
+    added(window, key)
+    assert key in window.docs.doc_ids, window.errors[-1:]
+    panel.budget_spin.setValue(400)  # what typing 400 and leaving the box does
+    conv = window.conv_id
+    assert window.store.get_setting(f"retrieval_tokens:{conv}") == 400
+    answer = ask(window, "What is the access code for the north gate?", 8)
+    sections = answer["stats"]["retrieved"]
+    assert sections and sum(s["tokens"] + SECTION_OVERHEAD_TOKENS for s in sections) <= 400
+    assert answer["stats"]["prompt_tokens"] < 600
+    fact_line = doc.read_text().split("\n").index(FACT) + 1
+    assert any(s["start"] <= fact_line <= s["end"] for s in sections)
+    assert "Sections used:" in window.transcript.toPlainText()
+    # another conversation has its own (the default); the first keeps 400
+    window.new_conversation()
+    assert panel.retrieval_tokens() == RETRIEVAL_TOKENS
+    panel.budget_spin.setValue(FILL_CONTEXT)
+    assert panel.budget_spin.text() == "fill the context" and panel.retrieval_tokens() == 0
+    assert window.store.get_setting(f"retrieval_tokens:{window.conv_id}") == 0
+    window.open_conversation(conv)
+    assert panel.retrieval_tokens() == 400
