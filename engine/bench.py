@@ -323,7 +323,6 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
     from .session import ANSWER_RESERVE, RETRIEVAL_TOKENS, Session
 
     budget = RETRIEVAL_TOKENS if retrieval_tokens is None else retrieval_tokens
-    _warm_up(engine, progress)
 
     facts = read_facts(facts_path)
     questions = [(f["question"], f["answers"]) for f in facts["facts"]]
@@ -331,6 +330,7 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
     engine.disk_cache = False
     rows: list[QARow] = []
     try:
+        _warm_up(engine, progress)  # with the disk cache off: nothing it saves is read back
         for spec in specs:
             engine.set_kv(spec)
             cases = [(s, ctx - ANSWER_RESERVE - 96 if s == "ctx" else int(s * ctx)) for s in sizes]

@@ -228,12 +228,14 @@ class Engine:
 
     def prefix_cache(self):
         """The shared block pools and prefix cache for the current KV config. A new config gets
-        a new cache; the old one's blocks are released when the sessions holding it move on."""
+        a new cache (so does turning ``disk_cache`` on or off); the old one's blocks are released
+        when the sessions holding it move on."""
         from .kv.prefix import PrefixCache, PrefixDiskStore
 
         with self._prefix_lock:  # two threads must never each make their own
             if self._prefix is None or self._prefix.config != self.kv_config \
-                    or self._prefix.model_id != self.compute_id:
+                    or self._prefix.model_id != self.compute_id \
+                    or (self._prefix.disk is not None) != self.disk_cache:
                 if self._prefix is not None:
                     self._prefix.clear()
                 disk = PrefixDiskStore() if self.disk_cache else None
