@@ -309,13 +309,14 @@ class QARow:
     prompt_tokens: int       # the first question's prompt
     answers: list[str] = field(default_factory=list)
     retrieval_tokens: int = 0    # the session's retrieval budget (0: the room the context leaves)
+    min_ratio: float = 0.0       # the session's retrieval cut-off (a fraction of the best score)
     ttft_later_s: float = 0.0    # mean over the questions after the first
     prefilled_mean: float = 0.0  # tokens prefilled per question (prompt less cached), mean
 
 
 def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_tokens: int = 24,
            facts_path: Path = QA_FACTS, retrieval_tokens: int | None = None,
-           progress=None) -> list[QARow]:
+           retrieval_min_ratio: float = 0.0, progress=None) -> list[QARow]:
     """For each KV spec and size: a document of that many contexts read in auto mode (whole when
     it fits, else retrieval with ``retrieval_tokens``, default the session's; "ctx": a
     context-sized one read whole, the reference cold read), its six questions asked in turn and
@@ -338,7 +339,7 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
                 engine.prefix_cache().clear()
                 text = qa_document(engine.tokenizer, n_tokens, facts)
                 session = Session(engine, ctx=ctx, doc_mode="whole" if size == "ctx" else "auto",
-                                  retrieval_tokens=budget)
+                                  retrieval_tokens=budget, retrieval_min_ratio=retrieval_min_ratio)
                 label = "ctx" if size == "ctx" else f"{size:g}x"
                 doc = session.add_document(text=text, name=f"qa-{label}.txt", prefill=False)
                 stats, answers, correct = [], [], 0
@@ -359,6 +360,7 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
                     kv_bytes=max(s.kv_bytes for s in stats + [again.stats]),
                     prompt_tokens=stats[0].prompt_tokens, answers=answers,
                     retrieval_tokens=budget if doc.mode == "retrieval" else 0,
+                    min_ratio=retrieval_min_ratio if doc.mode == "retrieval" else 0.0,
                     ttft_later_s=float(np.mean([s.ttft_s for s in stats[1:]] or [stats[0].ttft_s])),
                     prefilled_mean=float(np.mean([s.prompt_tokens - s.cached_tokens for s in stats]))))
                 if progress:
@@ -406,6 +408,8 @@ def write_qa_report(rows: list[QARow], out: Path, *, model: str, ctx: int) -> di
     for r in rows:
         size = "ctx" if r.size == "ctx" else f"{r.size:g}×"
         budget = f"{r.retrieval_tokens:,}" if r.mode == "retrieval" else "–"
+        if r.mode == "retrieval" and r.min_ratio:
+            budget += f", ≥{r.min_ratio:g}× best"
         lines.append(f"| {r.spec} | {size} | {r.doc_tokens:,} | {r.mode} | {budget} | {r.correct}/{r.n_questions} | "
                      f"{r.ttft_cold_s:.2f} | {r.ttft_later_s:.2f} | {r.ttft_cached_s:.3f} | "
                      f"{r.prefilled_mean:,.0f} | {r.prompt_tokens:,} | {_mib(r.kv_bytes)} |")

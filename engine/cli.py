@@ -422,7 +422,7 @@ def _bench_qa(args, path: Path) -> int:
             raise CLIError(f"--qa-sizes takes numbers (or ctx) separated by commas, e.g. ctx,4,16; "
                            f"not {args.qa_sizes!r}") from None
     rows = bench.run_qa(engine, specs, ctx=args.ctx, sizes=sizes, max_tokens=args.max_tokens,
-                        retrieval_tokens=args.retrieval_tokens,
+                        retrieval_tokens=args.retrieval_tokens, retrieval_min_ratio=args.retrieval_min_ratio,
                         progress=lambda msg: print(msg, file=sys.stderr))
     paths = bench.write_qa_report(rows, Path(args.out), model=engine.name, ctx=args.ctx)
     print(paths["markdown"].read_text())
@@ -892,6 +892,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qa-sizes", metavar="X,Y", help="with --qa: document sizes as multiples of the "
                    "context, ctx for a context-sized one read whole (default ctx,0.5,1,4,16)")
     _add_retrieval_tokens(p)
+    p.add_argument("--retrieval-min-ratio", type=float, default=0.0, metavar="R",
+                   help="with --qa: leave out sections scoring under R times the best one (default 0: none)")
     _add_force(p)
     _add_arith(p)
     p.set_defaults(func=cmd_bench)

@@ -125,11 +125,13 @@ class Session(MessageLog):
             the documents fit, retrieval for those that do not).
         retrieval_tokens: per question, the tokens of retrieved sections at most (default
             RETRIEVAL_TOKENS; 0: as many as the context has room for).
+        retrieval_min_ratio: sections scoring less than this fraction of the best one's are
+            left out (0: none is).
     """
 
     def __init__(self, engine: Engine, *, system_prompt: str | None = None, ctx: int | None = None,
                  overflow: str = "rolling", doc_mode: str = "whole",
-                 retrieval_tokens: int = RETRIEVAL_TOKENS):
+                 retrieval_tokens: int = RETRIEVAL_TOKENS, retrieval_min_ratio: float = 0.0):
         self.engine = engine
         self.system_prompt = system_prompt
         self.ctx = engine.model.context_length if ctx is None else int(ctx)
@@ -143,6 +145,10 @@ class Session(MessageLog):
             raise EngineError(f"document mode must be one of {', '.join(DOC_MODES)}, not {doc_mode!r}")
         self.doc_mode = doc_mode
         self.retrieval_tokens = check_retrieval_tokens(retrieval_tokens)
+        if not 0.0 <= retrieval_min_ratio <= 1.0:
+            raise EngineError(f"the retrieval cut-off is a fraction of the best section's score "
+                              f"between 0 and 1, not {retrieval_min_ratio}")
+        self.retrieval_min_ratio = float(retrieval_min_ratio)
         self._plan_key: tuple | None = None
         self.last_sections: list = []  # engine.retrieval.Section: what the last turn was shown
         self.documents: list[Document] = []
@@ -415,7 +421,8 @@ class Session(MessageLog):
         if self.retrieval_tokens:
             budget = min(budget, self.retrieval_tokens)
         ranked = retrieval.rank(question, [(d.name, d.index) for d in docs])
-        chosen = retrieval.select(ranked, budget) if budget >= MIN_RETRIEVAL_TOKENS else []
+        chosen = (retrieval.select(ranked, budget, min_ratio=self.retrieval_min_ratio)
+                  if budget >= MIN_RETRIEVAL_TOKENS else [])
         if not chosen:
             names = ", ".join(d.name for d in docs)
             raise DocumentError(

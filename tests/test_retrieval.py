@@ -120,6 +120,23 @@ def test_sections_fill_the_budget_best_first_in_document_order():
     assert none[0].start == 1 and none[0].score == 0
 
 
+def test_select_takes_matching_chunks_new_text_first_and_cuts_off_weak_ones():
+    fact_a, fact_b = "The access code for the north gate is 4471.", "The ferry to Lindholm leaves at 6:40."
+    index = DocumentIndex.build(planted({20: fact_b, 90: fact_a}), count_words, chunk_tokens=120,
+                                overlap_tokens=60)
+    ranked = retrieval.rank("access code north gate 4471, ferry Lindholm", [("doc.txt", index)])
+    chosen = retrieval.select(ranked, 10_000)
+    assert chosen and all(c.score > 0 for c in chosen)  # text sharing no word is not shown
+    holding_a = [c for c in ranked if fact_a in index.chunk_text(index.chunks[c.chunk])]
+    assert len(holding_a) == 2  # the fact is in a chunk's overlap: in two chunks
+    two = retrieval.select(ranked, 2 * (120 + retrieval.SECTION_OVERHEAD_TOKENS))
+    shown = "\n".join(s.text for s in retrieval.sections(two))
+    assert fact_a in shown and fact_b in shown  # the second fact before the first one's neighbour
+    best = ranked[0].score
+    cut = retrieval.select(ranked, 10_000, min_ratio=0.5)
+    assert cut and all(c.score >= 0.5 * best for c in cut) and len(cut) < len(chosen)
+
+
 # -- sessions on a tiny model -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -239,6 +256,22 @@ def test_questions_that_share_sections_share_a_kv_prefix(tiny):
     assert stats.cached_tokens > n_system + first_section // 2, (stats.cached_tokens, n_system, common)
     assert stats.cached_tokens <= common
     assert stats.prompt_tokens - stats.cached_tokens < stats.prompt_tokens - n_system - first_section // 2
+
+
+def test_retrieval_tokens_on_the_command_line():
+    from engine.cli import build_parser
+    from engine.retrieval import RETRIEVAL_TOKENS
+
+    parser = build_parser()
+    for command in ("ask", "chat"):
+        assert parser.parse_args([command, "m"]).retrieval_tokens == RETRIEVAL_TOKENS
+        assert parser.parse_args([command, "m", "--retrieval-tokens", "1200"]).retrieval_tokens == 1200
+        assert parser.parse_args([command, "m", "--retrieval-tokens", "0"]).retrieval_tokens == 0
+    assert parser.parse_args(["bench", "--qa", "--retrieval-tokens", "400"]).retrieval_tokens == 400
+    for bad, says in (("100", "at least 332 tokens"), ("lots", "a number of tokens, not 'lots'")):
+        out = subprocess.run([sys.executable, "-m", "engine.cli", "ask", "m", "--retrieval-tokens", bad,
+                              "--question", "q"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and says in out.stderr, out.stderr
 
 
 # -- the real model ---------------------------------------------------------------------------
