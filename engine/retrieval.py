@@ -47,8 +47,10 @@ INDEX_FORMAT = 1
 SECTION_OVERHEAD_TOKENS = 12  # a section's "[lines 120-161]" label and the blank lines around it
 MIN_RETRIEVAL_TOKENS = CHUNK_TOKENS + SECTION_OVERHEAD_TOKENS  # room for one chunk and its label
 # Tokens of retrieved sections per question (the best chunks up to this, if the context has the
-# room): chosen by measurement (docs/performance.md, "retrieval budget"); 0 fills the room left.
-RETRIEVAL_TOKENS = 800
+# room); 0 fills the room left. Chosen by measurement (docs/performance.md, "The retrieval
+# budget"): one chunk and the overlap's neighbour answered 5/6 at 4x and 16x the context, more
+# sections 4-5/6 (the model mixes up facts from unrelated text), at a third of the prefill.
+RETRIEVAL_TOKENS = 400
 
 
 def check_retrieval_tokens(n) -> int:

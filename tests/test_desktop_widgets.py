@@ -214,8 +214,8 @@ def test_documents_panel_retrieval_budget(qtbot):
     assert changes == [1200, 0] and panel.budget_spin.text() == "fill the context"
     panel.budget_spin.setValue(100)  # below one section: not a value it takes
     assert panel.budget_spin.value() >= MIN_RETRIEVAL_TOKENS - 1
-    panel.set_retrieval_tokens(400)  # shown, not emitted (a conversation opened)
-    assert panel.retrieval_tokens() == 400 and panel.budget_spin.text() == "400 tokens"
+    panel.set_retrieval_tokens(900)  # shown, not emitted (a conversation opened)
+    assert panel.retrieval_tokens() == 900 and panel.budget_spin.text() == "900 tokens"
     panel.set_retrieval_tokens(0)
     assert panel.budget_spin.text() == "fill the context" and changes == [1200, 0]
     panel.mode_box.setCurrentIndex(panel.mode_box.findData("whole"))

@@ -130,21 +130,21 @@ def test_the_retrieval_budget_is_set_per_conversation_and_bounds_the_sections(wi
     key = window.documents.keys()[-1]
     added(window, key)
     assert key in window.docs.doc_ids, window.errors[-1:]
-    panel.budget_spin.setValue(400)  # what typing 400 and leaving the box does
+    panel.budget_spin.setValue(800)  # what typing 800 and leaving the box does
     conv = window.conv_id
-    assert window.store.get_setting(f"retrieval_tokens:{conv}") == 400
+    assert window.store.get_setting(f"retrieval_tokens:{conv}") == 800
     answer = ask(window, "What is the access code for the north gate?", 8)
     sections = answer["stats"]["retrieved"]
-    assert sections and sum(s["tokens"] + SECTION_OVERHEAD_TOKENS for s in sections) <= 400
-    assert answer["stats"]["prompt_tokens"] < 600
+    assert sections and sum(s["tokens"] + SECTION_OVERHEAD_TOKENS for s in sections) <= 800
+    assert answer["stats"]["prompt_tokens"] < 1100
     fact_line = doc.read_text().split("\n").index(FACT) + 1
     assert any(s["start"] <= fact_line <= s["end"] for s in sections)
     assert "Sections used:" in window.transcript.toPlainText()
-    # another conversation has its own (the default); the first keeps 400
+    # another conversation has its own (the default); the first keeps 800
     window.new_conversation()
     assert panel.retrieval_tokens() == RETRIEVAL_TOKENS
     panel.budget_spin.setValue(FILL_CONTEXT)
     assert panel.budget_spin.text() == "fill the context" and panel.retrieval_tokens() == 0
     assert window.store.get_setting(f"retrieval_tokens:{window.conv_id}") == 0
     window.open_conversation(conv)
-    assert panel.retrieval_tokens() == 400
+    assert panel.retrieval_tokens() == 800

@@ -211,7 +211,7 @@ def test_the_retrieval_budget_bounds_the_sections_of_each_question(tiny):
     session = Session(tiny, ctx=2048, doc_mode="retrieval")
     assert session.retrieval_tokens == RETRIEVAL_TOKENS
     session.add_document(text=text, name="big.txt")
-    for budget in (MIN_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS):
+    for budget in (MIN_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS, 800):
         session.set_retrieval_tokens(budget)
         gen = session.ask(question, max_tokens=2)
         gen.result
