@@ -748,7 +748,7 @@ def _add_session(p) -> None:
                    help="context limit in tokens (default: the model's, capped by what fits in memory)")
     p.add_argument("--doc-mode", choices=("auto", "whole", "retrieval"), default="auto",
                    help="documents in the prompt: whole, retrieval (per question, the sections that "
-                        "match it best, to fill the context), auto (default: whole when they fit, "
+                        "match it best, up to --retrieval-tokens), auto (default: whole when they fit, "
                         "else retrieval)")
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="rolling",
                    help="at the context limit: stop, rolling (drop oldest conversation), "

@@ -13,8 +13,8 @@ The index (units, chunks and the bm25s index over the chunks' words) is saved in
 folder under the document's sha256, the model's fingerprint (token counts are the model's) and
 the chunking parameters, so opening the document again, in this process or a later one, loads it.
 
-Per question, :meth:`DocumentIndex.rank` scores every chunk; the caller fills its token budget
-best first (:func:`select_sections`), then the chosen chunks are merged into sections: runs of
+Per question, :meth:`DocumentIndex.rank` scores every chunk; :func:`select` fills the token
+budget (RETRIEVAL_TOKENS by default) best first with the chunks that match, then the chosen chunks are merged into sections: runs of
 consecutive units, in document order, each rendered once with its location
 (:func:`render_sections`). The same chunks give the same text, so a question that selects the
 same sections renders the same prompt prefix and reuses its KV blocks.

@@ -121,7 +121,7 @@ class Session(MessageLog):
         overflow: what happens at the limit: "stop", "rolling" (default) or "attention".
         doc_mode: how pinned documents are put in the prompt: "whole" (default: all of each, a
             document that does not fit is refused), "retrieval" (per question, the sections
-            that match it best, as many as the context has room for) or "auto" (whole while
+            that match it best, up to retrieval_tokens) or "auto" (whole while
             the documents fit, retrieval for those that do not).
         retrieval_tokens: per question, the tokens of retrieved sections at most (default
             RETRIEVAL_TOKENS; 0: as many as the context has room for).
