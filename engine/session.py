@@ -42,6 +42,8 @@ from .retrieval import (  # noqa: E402,F401  (the budget, also for Session's cal
 
 DOC_MODES = ("auto", "whole", "retrieval")
 ANSWER_MARGIN = 32  # tokens kept free beyond max_tokens when retrieved sections fill the context
+
+
 @dataclass
 class Document:
     name: str
