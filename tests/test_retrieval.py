@@ -223,7 +223,7 @@ def test_the_retrieval_budget_bounds_the_sections_of_each_question(tiny):
     for bad in (100, -5, 1.5, "800", True):
         with pytest.raises(SettingsError, match="retrieval budget must be"):
             session.set_retrieval_tokens(bad)
-    assert session.retrieval_tokens == RETRIEVAL_TOKENS
+    assert session.retrieval_tokens == 800  # a refused budget changes nothing
     with pytest.raises(SettingsError, match=f"at least {MIN_RETRIEVAL_TOKENS} tokens"):
         Session(tiny, ctx=2048, retrieval_tokens=200)
 
