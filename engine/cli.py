@@ -245,7 +245,17 @@ def cmd_generate(args) -> int:
         prompt_ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = engine.encode_prompt(args.prompt)
-    gen = engine.stream(prompt_ids, max_tokens=args.max_tokens, sampling=_sampling(args), stop=args.stop or ())
+    processors = ()
+    if args.json_schema:
+        from .constrain import JsonConstraint
+
+        try:
+            schema = Path(args.json_schema).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise EngineError(f"cannot read --json-schema {args.json_schema}: {exc.strerror}") from None
+        processors = (JsonConstraint(engine.tokenizer, schema, len(prompt_ids)),)
+    gen = engine.stream(prompt_ids, max_tokens=args.max_tokens, sampling=_sampling(args), stop=args.stop or (),
+                        processors=processors)
     for chunk in gen:
         if not args.json:
             sys.stdout.write(chunk.text)
@@ -812,6 +822,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object: ids, text, stats")
+    p.add_argument("--json-schema", metavar="FILE", help="constrain the answer to JSON matching this JSON schema")
     _add_sampling(p)
     _add_kv(p, "full")
     _add_force(p)

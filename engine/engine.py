@@ -456,6 +456,7 @@ class Engine:
         cancel: threading.Event | None = None,
         prefill_progress: Callable[[int, int], None] | None = None,
         speculate: str | None = None,
+        processors: Sequence = (),
     ) -> Generation:
         """Start generating after `prompt_ids`; iterate the result for streamed text.
 
@@ -465,6 +466,7 @@ class Engine:
 
         `speculate` ("off" or "lookup", default the engine's `speculate`): prompt-lookup drafts
         verified in one pass (engine.speculate); greedy output is token-identical either way.
+        `processors`: logits processors of the turn's TokenStream (e.g. constrain.JsonConstraint).
         """
         if not prompt_ids:
             raise EngineError("the prompt is empty")
@@ -484,7 +486,7 @@ class Engine:
         holder: list[GenerationResult] = []
         return Generation(
             self._run(list(prompt_ids), max_tokens, sampling, stop, cache, cancel, prefill_progress, holder,
-                      drafter),
+                      drafter, processors),
             holder,
         )
 
@@ -498,7 +500,7 @@ class Engine:
         return max(0, min(room, max_more))
 
     def _run(self, prompt_ids, max_tokens, sampling, stop, cache, cancel, prefill_progress, holder,
-             drafter=None):
+             drafter=None, processors=()):
         peak = PeakRSS()
         stats = GenerationStats(prompt_tokens=len(prompt_ids), arith=self.arith)
         t_start = time.perf_counter()
@@ -533,7 +535,8 @@ class Engine:
             return
         t_prefilled = time.perf_counter()
         stats.prefill_tok_s = len(prompt_ids) / max(t_prefilled - t_start, 1e-9)
-        stream = TokenStream(self.tokenizer, prompt_ids, sampling=sampling, stop=stop, max_tokens=max_tokens)
+        stream = TokenStream(self.tokenizer, prompt_ids, sampling=sampling, stop=stop, max_tokens=max_tokens,
+                             processors=processors)
         reason = None
         pending = None  # the next token to forward, chosen with a verified draft (not sampled from `logits`)
         while not stream.done:

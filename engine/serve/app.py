@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..constrain import JsonConstraint
 from ..engine import Engine
 from ..errors import ContextFull, KVPoolFull, OmlxError, SettingsError, describe
 from .metrics import Metrics
@@ -349,8 +350,11 @@ class OpenAIServer:
             job_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
             view = OpenAIView(kind, job_id, self.model_id, req.include_usage, self.engine.tokenizer, req.logprobs,
                               parser)
+        processors = ()
+        if getattr(req, "grammar", None):
+            processors = (JsonConstraint(self.engine.tokenizer, None, len(prompt_ids), grammar=req.grammar),)
         job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=req.sampling, sink=sink,
-                  stop=req.stop, id=job_id, logprobs=req.logprobs)
+                  stop=req.stop, id=job_id, logprobs=req.logprobs, processors=processors)
         try:
             self.scheduler.submit(job)
         except OmlxError as exc:

@@ -7,7 +7,7 @@ cannot honour are refused rather than silently dropped):
                  seed, n (1), stream, stream_options.include_usage, presence_penalty and
                  frequency_penalty (-2..2), repetition_penalty (> 0, an extension), logprobs and
                  top_logprobs (0..20), tools and tool_choice (tools.py), assistant tool_calls and
-                 tool messages
+                 tool messages, response_format (text, json_object, json_schema: constrained decoding)
     completions: model, prompt (a string, a one-string list, or a list of token ids), and the
                  same sampling fields; logprobs an integer (0..20)
 """
@@ -20,6 +20,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from ..constrain import ANY_OBJECT, json_grammar
+from ..errors import OmlxError
 from ..sampling import SamplingParams
 from .tools import ToolChoice, ToolParser, split_events
 
@@ -61,6 +63,7 @@ class GenerationRequest:
     tools: list | None = None  # OpenAI's shape: [{"type": "function", "function": {name, description, parameters}}]
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     tool_prefill: str = ""  # the start of a call the answer is pre-filled with (tools.prepare)
+    grammar: str | None = None  # response_format's JSON grammar (constrain.json_grammar); None: free text
 
 
 @dataclass
@@ -180,7 +183,31 @@ def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
         sampling.validate()
     except ValueError as exc:
         raise bad(str(exc), str(exc).split()[0]) from None
-    return GenerationRequest(model, max_tokens, sampling, stops, stream, include_usage)
+    return GenerationRequest(model, max_tokens, sampling, stops, stream, include_usage,
+                             grammar=response_grammar(body.get("response_format")))
+
+
+def response_grammar(fmt) -> str | None:
+    """`response_format`: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}} as the grammar decoding is constrained to."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                  "response_format", "invalid_value")
+    if fmt["type"] == "text":
+        return None
+    schema = ANY_OBJECT
+    if fmt["type"] == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise bad("'response_format.json_schema' must be an object with a 'schema' object",
+                      "response_format.json_schema", "invalid_type")
+        schema = spec.get("schema") or ANY_OBJECT
+    try:
+        return json_grammar(schema)
+    except OmlxError as exc:
+        raise bad(exc.user_message, "response_format.json_schema") from None
 
 
 def chat_logprobs(body: dict) -> int | None:
