@@ -6,9 +6,9 @@ answer views), and round trips through a real server with the official `openai` 
 clients.
 
 The tiny random models cannot be steered into writing a call, so the end-to-end calls are
-SmolLM2's (slow): with tool_choice "required" the generic format pre-fills `{"name": "...",
-"arguments": ` and the model writes the arguments. The tiny-model server tests check what goes
-in (the rendered prompt) and that an answer without a parsable call comes back as text."""
+SmolLM2's (slow), and, with tool_choice required / named (decoding constrained to a call of an
+offered tool), the tiny model's. The tiny-model server tests also check what goes in (the
+rendered prompt) and that an answer without a parsable call comes back as text."""
 
 from __future__ import annotations
 
@@ -138,18 +138,33 @@ def test_tools_and_a_tool_history_are_rendered_through_a_qwen_template(qwen):
     assert counted.input_tokens == r.usage.prompt_tokens
 
 
-def test_a_named_tool_choice_prefills_the_start_of_its_call(qwen):
-    engine = qwen.server.engine
+def test_a_named_tool_choice_is_constrained_to_that_tools_call(qwen):
+    """Even the tiny random model answers a named (or required) tool_choice with a call whose
+    arguments match the tool's schema: the answer is constrained to the call object."""
     prepared = T.prepare(HISTORY[:1], [WEATHER, TIME], T.ToolChoice("named", "get_time"), "qwen")
-    assert prepared.prefill == '<tool_call>\n{"name": "get_time", "arguments": '
-    assert prepared.tools == [WEATHER, TIME]
-    r = client(qwen).chat.completions.create(model="m", messages=HISTORY[:1], tools=[WEATHER, TIME], max_tokens=3,
-                                             tool_choice={"type": "function", "function": {"name": "get_time"}})
-    prefill_ids = engine.tokenizer.encode(prepared.prefill, add_bos=False, parse_special=False)
-    assert r.usage.prompt_tokens == len(engine.encode_chat(HISTORY[:1], tools=[WEATHER, TIME])) + len(prefill_ids)
-    assert T.prepare(HISTORY[:1], [WEATHER], T.ToolChoice("required"), "llama3").prefill == \
-        '{"name": "get_weather", "parameters": '  # one tool: required is that one
-    assert T.prepare(HISTORY[:1], [WEATHER, TIME], T.ToolChoice("required"), "llama3").prefill == '{"name": "'
+    assert prepared.prefill == "<tool_call>\n" and prepared.tools == [WEATHER, TIME]
+    assert prepared.call_schema["properties"] == {"name": {"const": "get_time"},
+                                                  "arguments": TIME["function"]["parameters"]}
+    c = client(qwen)
+    for choice, names in [({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+                          ("required", NAMES)]:
+        for stream in (False, True):
+            r = c.chat.completions.create(model="m", messages=HISTORY[:1], tools=[WEATHER, TIME], max_tokens=200,
+                                          tool_choice=choice, stream=stream, temperature=0)
+            if stream:
+                chunks = [ch.choices[0] for ch in r if ch.choices]
+                calls = [d for ch in chunks for d in ch.delta.tool_calls or ()]
+                reason = chunks[-1].finish_reason
+            else:
+                calls, reason = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+            assert reason == "tool_calls" and len(calls) == 1, (choice, stream)
+            args = json.loads(calls[0].function.arguments)
+            assert calls[0].function.name in names and set(args) == {"zone" if calls[0].function.name == "get_time"
+                                                                    else "city"}
+            assert all(isinstance(v, str) for v in args.values())
+    llama = T.prepare(HISTORY[:1], [WEATHER], T.ToolChoice("required"), "llama3")
+    assert llama.prefill == "" and set(llama.call_schema["properties"]) == {"name", "parameters"}
+    assert set(T.prepare(HISTORY[:1], [WEATHER, TIME], T.ToolChoice("required"), "generic").call_schema) == {"anyOf"}
 
 
 def test_a_template_without_tools_gets_the_generic_system_prompt_and_history(generic):
@@ -283,9 +298,9 @@ def _valid(args: dict, schema: dict) -> bool:
 @pytest.mark.slow
 def test_smollm2_required_tool_call_round_trip_with_the_openai_and_anthropic_clients(smollm2_path):
     """SmolLM2's template takes no tools: the generic format. With tool_choice "required" the
-    answer starts with the pre-filled `{"name": "get_weather", "arguments": ` (the one tool) and
-    ends where the model closes the arguments; the call's arguments validate against the tool's
-    schema, streamed and not; the call and its result sent back get a text answer."""
+    answer is constrained to a call of the tool and ends with it; the call's arguments validate
+    against the tool's schema, streamed and not; the call and its result sent back get a text
+    answer."""
     thread = start(smollm2_path, max_batch=2, ctx=2048)
     try:
         c = client(thread)

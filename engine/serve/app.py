@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..constrain import JsonConstraint
+from ..constrain import JsonConstraint, json_grammar
 from ..engine import Engine
 from ..errors import ContextFull, KVPoolFull, OmlxError, SettingsError, describe
 from .metrics import Metrics
@@ -280,6 +280,12 @@ class OpenAIServer:
                           "messages") from None
             # the answer continues the last assistant turn's text, then the start of a required call
             req.tool_prefill = prepared.prefill
+            if prepared.call_schema is not None:
+                try:
+                    req.tool_grammar = json_grammar(prepared.call_schema)
+                except OmlxError as exc:
+                    raise bad(f"a tool's parameters cannot be used to constrain its call: {exc.user_message}",
+                              "tools") from None
             prefill = getattr(req, "prefill", "") + prepared.prefill
             if prefill:
                 ids = ids + e.tokenizer.encode(prefill, add_bos=False, parse_special=False)
@@ -334,15 +340,11 @@ class OpenAIServer:
 
         def sink(event) -> None:  # the engine thread
             loop.call_soon_threadsafe(events.put_nowait, event)
-            if ender is not None and isinstance(event, Token) and ender.push(event.text):
-                self.scheduler.cancel(job)  # the call is complete (Finished "cancelled" follows)
 
         parser = None
         if kind != "completions" and req.tools and req.tool_choice.mode != "none":
             parser = tools.ToolParser(self.tool_family, {t["function"]["name"] for t in req.tools},
                                       prefill=req.tool_prefill, id_prefix="toolu_" if kind == "messages" else "call_")
-        # a required / named call: the answer ends once the call's arguments are written
-        ender = tools.ForcedCallEnd(req.tool_prefill, parser.names) if parser and req.tool_prefill else None
         if kind == "messages":
             job_id = new_message_id()
             view = MessagesView(job_id, self.model_id, len(prompt_ids), parser)
@@ -351,8 +353,9 @@ class OpenAIServer:
             view = OpenAIView(kind, job_id, self.model_id, req.include_usage, self.engine.tokenizer, req.logprobs,
                               parser)
         processors = ()
-        if getattr(req, "grammar", None):
-            processors = (JsonConstraint(self.engine.tokenizer, None, len(prompt_ids), grammar=req.grammar),)
+        grammar = getattr(req, "tool_grammar", None) or getattr(req, "grammar", None)
+        if grammar:  # a required / named call, or response_format
+            processors = (JsonConstraint(self.engine.tokenizer, None, len(prompt_ids), grammar=grammar),)
         job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=req.sampling, sink=sink,
                   stop=req.stop, id=job_id, logprobs=req.logprobs, processors=processors)
         try:

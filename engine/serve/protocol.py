@@ -63,6 +63,7 @@ class GenerationRequest:
     tools: list | None = None  # OpenAI's shape: [{"type": "function", "function": {name, description, parameters}}]
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     tool_prefill: str = ""  # the start of a call the answer is pre-filled with (tools.prepare)
+    tool_grammar: str | None = None  # required / named tool_choice: the call's grammar (tools.prepare)
     grammar: str | None = None  # response_format's JSON grammar (constrain.json_grammar); None: free text
 
 

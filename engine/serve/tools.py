@@ -10,10 +10,10 @@ does: the tools described in a system message, the model asked to answer with on
 text and tool results user messages.
 
 tool_choice: "auto" (the model decides), "none" (no tools rendered, nothing parsed), "required"
-and a named tool: the answer is pre-filled with the start of a call (`{"name": "` or the named
-tool's `{"name": "X", "arguments": `; in Qwen's syntax after `<tool_call>\\n`), which steers the
-model into a call. That is not a constraint: the arguments are whatever the model writes (no
-grammar-constrained decoding yet).
+and a named tool: the answer is constrained (engine/constrain.py) to one JSON call object of an
+offered tool (the named one) whose arguments match the tool's parameters schema, after `<tool_call>\\n`
+pre-filled in Qwen's syntax; the answer ends where the object does. In "auto" the model's calls
+are parsed as written (nothing constrains them).
 
 Parsing, per family (`template_family`):
     qwen     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around
@@ -68,6 +68,7 @@ class Prepared:
     messages: list[dict]
     tools: list[dict] | None
     prefill: str = ""
+    call_schema: dict | None = None  # required / named: the JSON schema the call is constrained to
 
 
 def _arguments_text(args) -> str:
@@ -121,8 +122,27 @@ def prepare(messages: list[dict], tools: list[dict] | None, choice: ToolChoice, 
             messages = [{"role": "system", "content": messages[0]["content"] + "\n\n" + system}, *messages[1:]]
         else:
             messages = [{"role": "system", "content": system}, *messages]
-        return Prepared(messages, None, _prefill(choice, "generic"))
-    return Prepared(messages, tools if use else None, _prefill(choice, family) if use else "")
+        return Prepared(messages, None, _prefill(choice, "generic"), _call_schema(tools, choice, "generic"))
+    if not use:
+        return Prepared(messages, None)
+    return Prepared(messages, tools, _prefill(choice, family), _call_schema(tools, choice, family))
+
+
+def _call_schema(tools: list[dict], choice: ToolChoice, family: str) -> dict | None:
+    """The JSON schema of a call of one of the offered tools (the named one alone), in the family's
+    keys: {"name": <const>, "arguments" (Llama 3: "parameters"): <the tool's parameters>}."""
+    if choice.mode not in ("required", "named"):
+        return None
+    key = "parameters" if family == "llama3" else "arguments"
+    variants = []
+    for t in tools:
+        f = t["function"]
+        if choice.mode == "named" and f["name"] != choice.name:
+            continue
+        params = f.get("parameters") or {"type": "object"}
+        variants.append({"type": "object", "properties": {"name": {"const": f["name"]}, key: params},
+                         "required": ["name", key], "additionalProperties": False})
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}
 
 
 def _example(function: dict) -> str:
@@ -134,13 +154,11 @@ def _example(function: dict) -> str:
 
 
 def _prefill(choice: ToolChoice, family: str) -> str:
+    """The answer's pre-filled start for a required / named call: Qwen's opening tag (the JSON
+    after it is constrained to `_call_schema`)."""
     if choice.mode not in ("required", "named"):
         return ""
-    start = QWEN_OPEN + "\n" if family == "qwen" else ""
-    if choice.mode == "required":
-        return start + '{"name": "'
-    key = "parameters" if family == "llama3" else "arguments"
-    return start + '{"name": ' + json.dumps(choice.name) + f', "{key}": '
+    return QWEN_OPEN + "\n" if family == "qwen" else ""
 
 
 # -- parsing ---------------------------------------------------------------------------------
@@ -214,20 +232,6 @@ def first_call(text: str, names: set[str], prefix: str = "call_") -> ToolCall | 
     except ValueError:
         return None
     return _call_of({"name": m.group(1), "arguments": args}, names, prefix)
-
-
-class ForcedCallEnd:
-    """For tool_choice required / named: tells when the answer (after its pre-filled start) has
-    written a whole call, so that generation can end there."""
-
-    def __init__(self, prefill: str, names: set[str]):
-        self.text, self.names = prefill, names
-
-    def push(self, text: str) -> bool:
-        if not text:
-            return False
-        self.text += text
-        return first_call(self.text, self.names) is not None
 
 
 def _partial_suffix(text: str, marker: str) -> int:
