@@ -2,7 +2,9 @@
 
 estimate = runtime + weights + tokenizer + KV(ctx, spec) + max(prefill working set(ctx), decode floor)
   runtime     the process with the engine imported and its kernels loaded, before any model
-              (a measured constant: Python, numpy, numba, tokenizers)
+              (a measured constant: Python, numpy, numba, tokenizers), plus each weight type's
+              kernels (integer and float matvecs, loaded from numba's cache: a measured constant
+              per quantized type the model's matrices use)
   weights     the GGUF file, memory-mapped: every page is touched once the model has run, so all
               of it is resident; plus a float32 copy of each matrix the quantized kernels cannot
               read (dequantized once at load, see engine.weights)
@@ -33,6 +35,7 @@ from .errors import DoesNotFit
 
 MiB = 1 << 20
 RUNTIME_BYTES = 144 * MiB
+KERNEL_BYTES_PER_WEIGHT_TYPE = 20 * MiB
 DECODE_FLOOR_BYTES = 68 * MiB
 TOKENIZER_BYTES_PER_ENTRY = 384
 ATTENTION_SCORE_COPIES = 3  # scores, their masked copy, the softmax output (float32 each)
@@ -114,6 +117,14 @@ def verdict(total: int, available: int) -> str:
     return DOES_NOT_FIT
 
 
+def _weight_types(gguf) -> set:
+    """The quantized GGML types of the model's matrices (each loads its own kernels)."""
+    from gguf.constants import GGMLQuantizationType
+
+    return {info.ggml_type for info in gguf.tensors.values()
+            if len(info.shape) == 2 and info.ggml_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)}
+
+
 def _dense_copy_bytes(gguf) -> int:
     """float32 bytes of the matrices the quantized kernels cannot read (engine.weights' dense path)."""
     from gguf.constants import GGMLQuantizationType
@@ -159,7 +170,7 @@ def estimate(gguf, ctx: int | None = None, kv=None, available: int | None = None
     return FitEstimate(
         ctx=ctx,
         kv_spec=str(config),
-        runtime_bytes=RUNTIME_BYTES,
+        runtime_bytes=RUNTIME_BYTES + KERNEL_BYTES_PER_WEIGHT_TYPE * len(_weight_types(gguf)),
         weights_bytes=int(gguf.file_size) + _dense_copy_bytes(gguf),
         tokenizer_bytes=TOKENIZER_BYTES_PER_ENTRY * int(model.vocab_size),
         kv_bytes=int(kv_bytes),
