@@ -13,6 +13,7 @@ from .kv.config import KVConfig, parse_kv
 from .kv.prefix import PrefixCache
 from .kv.requantize import MASTER_BITS, master_config
 from .sampling import log_softmax
+from .weights import integer_rows
 
 BASELINE_SPEC = "full"
 _ROWS = 64  # output-projection rows at a time (a 262K vocabulary makes (rows, vocab) large)
@@ -40,7 +41,7 @@ def hidden_states(model, tokens: np.ndarray, kv, chunk: int = 512) -> tuple[np.n
 
 
 def _scores(model, h_ref: np.ndarray, h: np.ndarray, targets: np.ndarray,
-            arith: Callable[[str], None] | None = None) -> tuple[float, float, float]:
+            arith: Callable[[str], None] | None = None, rows: int = _ROWS) -> tuple[float, float, float]:
     """Mean KL(p_ref ‖ p), top-1 agreement and perplexity over the positions of `h_ref` and `h`
     ((n, dim) hidden states of the same n positions), `targets` (n,) their next tokens. arith:
     called with "ref" and "test" before each side's output projection (the arithmetic each ran in)."""
@@ -48,8 +49,8 @@ def _scores(model, h_ref: np.ndarray, h: np.ndarray, targets: np.ndarray,
     kl = np.empty(n)
     agree = np.empty(n, bool)
     nll = np.empty(n)
-    for r0 in range(0, n, _ROWS):
-        r1 = min(n, r0 + _ROWS)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
         if arith:
             arith("ref")
         lp_ref = log_softmax(model.output(h_ref[r0:r1]))
@@ -78,6 +79,9 @@ def evaluate_kv(engine, tokens: Sequence[int], specs: Sequence[str | KVConfig],
     inputs, targets = tokens[:-1], tokens[1:]
     before = engine.arith
     switching = arith != "exact"  # the default measures in the engine's own arithmetic
+    # chunks (and output rows) no longer than the integer kernels take: where the instruction set
+    # sends longer inputs to float tiles (AVX2), a 512-token chunk would measure float arithmetic
+    chunk = min(512, integer_rows(model) or 512)
 
     def use(side: str) -> None:
         engine.set_arith("exact" if side == "ref" else arith)
@@ -88,7 +92,7 @@ def evaluate_kv(engine, tokens: Sequence[int], specs: Sequence[str | KVConfig],
             use("ref")
         if progress:
             progress(f"{BASELINE_SPEC} (baseline)", 0.0)
-        h_ref, _ = hidden_states(model, inputs, BASELINE_SPEC)
+        h_ref, _ = hidden_states(model, inputs, BASELINE_SPEC, chunk)
         results = []
         for i, spec in enumerate(specs):
             config = parse_kv(spec) if isinstance(spec, str) else spec
@@ -96,8 +100,8 @@ def evaluate_kv(engine, tokens: Sequence[int], specs: Sequence[str | KVConfig],
                 progress(str(spec), (i + 1) / (len(specs) + 1))
             if switching:
                 use("test")
-            h, kv_bytes = hidden_states(model, inputs, config)
-            scores = _scores(model, h_ref, h, targets, use if switching else None)
+            h, kv_bytes = hidden_states(model, inputs, config, chunk)
+            scores = _scores(model, h_ref, h, targets, use if switching else None, rows=min(_ROWS, chunk))
             results.append(KVQuality(str(spec), *scores, int(kv_bytes), arith=engine.arith))
     finally:
         if switching:

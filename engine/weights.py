@@ -217,9 +217,22 @@ def products_use_blas(model) -> bool:
     """Whether some linear layer of the model's blocks (`model.layers`: what a prefill's many rows
     go through; the output layer takes only each sequence's last row) multiplies many rows
     through BLAS (float32 matrices, quantized types without integer kernels); False when every
-    one is on the integer kernels, whose rows are exact at any count."""
+    one is on the integer kernels at any row count, whose rows are then exact at any count (not on
+    AVX2, where long inputs go to tiles and BLAS: `int_dot.INT_MAX_ROWS`)."""
     layers = getattr(model, "layers", model)
-    return any(not (isinstance(lin, QuantLinear) and lin.arith == "int") for lin in linear_layers(layers))
+    return any(not (isinstance(lin, QuantLinear) and lin.arith == "int" and lin.int_max_rows >= 1 << 62)
+               for lin in linear_layers(layers))
+
+
+def integer_rows(model) -> int | None:
+    """The most rows of x a product of this model takes on the integer kernels (the smallest
+    `int_max_rows` of its integer layers: AVX2 sends longer inputs to float tiles), None when no
+    layer is capped or none is on them. An evaluation of an arithmetic (eval-kv --arith fast)
+    runs in chunks of at most this many tokens, so that every position is computed in it, as
+    decode steps are."""
+    caps = [lin.int_max_rows for lin in linear_layers(model) if isinstance(lin, QuantLinear) and lin.arith == "int"]
+    smallest = min(caps, default=1 << 62)
+    return None if smallest >= 1 << 62 else int(smallest)
 
 
 def _as_rows(x, in_features: int) -> tuple[np.ndarray, tuple]:
@@ -354,22 +367,27 @@ class QuantLinear:
         if self.arith == "int":
             from .kernels import int_dot, int_matvec
 
-            # every row count goes to the integer kernels (each weight block decoded once for all
-            # the rows of x, a row's result the same in any batch); `raw` is not kept: the
-            # repacked copy replaces it (the caller may drop the file's pages, see
-            # GGUFFile.release)
+            # every row count up to int_max_rows goes to the integer kernels (each weight block
+            # decoded once for all the rows of x, a row's result the same in any batch of up to
+            # that many rows); longer prompt chunks to dequantized tiles and BLAS where the ISA
+            # makes those faster (int_dot.INT_MAX_ROWS). `raw` is not kept: the repacked copy
+            # replaces it (the caller may drop the file's pages, see GGUFFile.release); the
+            # tiles are dequantized from it, unpacked back to GGUF order
             packed = np.empty(raw.shape, np.uint8)
             for r0 in range(0, out_features, self.REPACK_ROWS):
                 part = raw[r0 : r0 + self.REPACK_ROWS]
                 packed[r0 : r0 + part.shape[0]] = int_matvec.repack(part, ggml_type)
                 if release is not None:
                     release(part)
-            self._int = int_matvec.IntMatvec(ggml_type, raw, in_features, int_dot.kernel_isa(), packed=packed)
+            isa = int_dot.kernel_isa()
+            self._int = int_matvec.IntMatvec(ggml_type, raw, in_features, isa, packed=packed)
+            self.int_max_rows = int_dot.INT_MAX_ROWS[isa] or (1 << 62)
             self._matvec = None
             self.fast = False  # int8 activations (ARITH_MODES "fast"); Engine.set_arith switches it
             self.raw = None
         else:
             self._int = None
+            self.int_max_rows = 0
             self.fast = False
             self._matvec = quant_matvec.Matvec(ggml_type, raw, in_features)  # checks the row length
             self.raw = self._matvec.raw
@@ -385,7 +403,7 @@ class QuantLinear:
         T = x2.shape[0]
         if T == 0:
             y = np.empty((0, self.out_features), np.float32)
-        elif self._int is not None:
+        elif self._int is not None and T <= self.int_max_rows:
             y = self._int(np.ascontiguousarray(x2), np.empty((T, self.out_features), dtype=np.float32), self.fast)
         elif T <= self.MATVEC_MAX_ROWS:
             y = self._matvec(x2, np.empty((T, self.out_features), dtype=np.float32))
@@ -420,13 +438,19 @@ class QuantLinear:
         n = stop - start
         helper = _dequantize_helper() if n >= self.PARALLEL_DEQUANTIZE_ROWS else None
         if helper is None:
-            self._k.dequantize_rows(self.ggml_type, self.raw, np.arange(start, stop), tile)
+            self._dequantize_part(start, stop, tile)
             return
         half = n // 2
-        job = helper.submit(self._k.dequantize_rows, self.ggml_type, self.raw,
-                            np.arange(start + half, stop), tile[half:])
-        self._k.dequantize_rows(self.ggml_type, self.raw, np.arange(start, start + half), tile[:half])
+        job = helper.submit(self._dequantize_part, start + half, stop, tile[half:])
+        self._dequantize_part(start, start + half, tile[:half])
         job.result()
+
+    def _dequantize_part(self, start: int, stop: int, tile: np.ndarray) -> None:
+        if self._int is None:
+            self._k.dequantize_rows(self.ggml_type, self.raw, np.arange(start, stop), tile)
+            return
+        blocks = self._int.range_gguf(start, stop)  # (stop - start, bytes) in GGUF order
+        self._k.dequantize_rows(self.ggml_type, blocks, np.arange(stop - start), tile)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """W[ids] (len(ids), in_features) float32, dequantizing only those rows."""

@@ -99,6 +99,32 @@ def test_repacking_round_trips(qtype):
     assert np.array_equal(int_matvec.unpack_rows(packed, qtype, np.arange(48)), raw)
     ids = np.array([47, 0, 17, 17, 31])
     assert np.array_equal(int_matvec.unpack_rows(packed, qtype, ids), raw[ids])
+    for start, stop in ((0, 48), (16, 48), (0, 16), (16, 32), (5, 40)):  # whole groups, and not
+        assert np.array_equal(int_matvec.unpack_range(packed, qtype, start, stop), raw[start:stop])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_long_prompts_past_the_integer_rows_take_float_tiles_of_the_same_matrix(qtype, monkeypatch):
+    """Where an instruction set caps the integer kernels' rows (INT_MAX_ROWS: AVX2, whose sgemm
+    is faster at prompt lengths), longer inputs are dequantized tiles of the repacked copy (the
+    file's blocks are gone) and BLAS: the float path's product, to float32 rounding."""
+    from engine import weights
+
+    monkeypatch.setitem(int_dot.INT_MAX_ROWS, int_dot.kernel_isa(), 8)
+    raw = blocks(qtype, 48, 256, seed=9)
+    lin = weights.QuantLinear(raw.copy(), qtype, 48, 256, arith="int")
+    assert lin._int is not None and lin.int_max_rows == 8
+    x = activations(40, 256, seed=10)
+    w = dequantize(raw, qtype).reshape(48, 256).astype(np.float64)
+    want = x.astype(np.float64) @ w.T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T + 1e-30
+    long = lin(x)  # 40 rows > 8: tiles and BLAS
+    assert np.max(np.abs(long - want) / scale) < 1e-5
+    tile = np.empty((48, 256), np.float32)
+    lin._dequantize(0, 48, tile)
+    assert np.array_equal(tile, dequantize(raw, qtype).reshape(48, 256).astype(np.float32))
+    short = lin(x[:8])  # the integer kernels, as alone
+    assert np.array_equal(bits(short), bits(run(qtype, raw, x[:8], int_dot.kernel_isa())))
 
 
 def test_fast_activation_quantizer_matches_its_emulation():

@@ -22,6 +22,18 @@ from engine.weights import blas_rows_independent, products_use_blas
 
 from .tiny_gguf import write_tiny_model
 
+
+@pytest.fixture(autouse=True)
+def integer_kernels_at_every_row_count(monkeypatch):
+    """Models loaded here take the integer kernels at every row count, as with VNNI: on AVX2 long
+    inputs go to float tiles and BLAS for speed (`int_dot.INT_MAX_ROWS`), and where this BLAS
+    rounds a row differently with the row count the scheduler then batches no prefill
+    (test_weight_arith checks that rule); the batching machinery is what this file tests."""
+    from engine.kernels import int_dot
+
+    for isa in int_dot.INT_MAX_ROWS:
+        monkeypatch.setitem(int_dot.INT_MAX_ROWS, isa, None)
+
 TINY_CTX = 512
 PROMPTS = ["Tell me about cats.", "What is the capital of France?", "Write a haiku about the sea.",
            "Name three colors."]

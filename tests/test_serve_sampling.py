@@ -102,9 +102,10 @@ def teacher_forced(engine, prompt_ids, ids):
 
 
 def test_completion_logprobs_equal_the_engines_teacher_forced_ones_streamed_and_not(tiny):
-    """Q8_0 matrices go through the same integer kernels at every row count: the served decode
-    steps and the teacher-forced chunk compute nearly the same logits (the sampled tokens'
-    log-probabilities within 1e-4, the unlikely top ones within 5e-4)."""
+    """The served decode steps (integer kernels) and the teacher-forced chunk (the same kernels, or
+    float tiles where the instruction set caps their rows: AVX2, `int_dot.INT_MAX_ROWS`) compute
+    nearly the same logits: the sampled tokens' log-probabilities within 1e-4, the unlikely top
+    ones within 2e-3."""
     c, engine = client(tiny), tiny.server.engine
     prompt = "the quick brown fox jumps"
     r = c.completions.create(model="m", prompt=prompt, max_tokens=20, temperature=0, logprobs=5)
@@ -116,10 +117,11 @@ def test_completion_logprobs_equal_the_engines_teacher_forced_ones_streamed_and_
     assert np.abs(np.array(lp.token_logprobs) - token_lp).max() < 1e-4
     for row, expected in zip(lp.top_logprobs, top_lp):
         # a dict by token text: tokens with the same text (lone bytes shown as U+FFFD) share a key;
-        # the unlikely tokens' values (log-probabilities near -14) differ by up to ~1e-4 between the
-        # decode steps and the teacher-forced chunk, the likely ones far less
+        # the unlikely tokens' values (log-probabilities near -13..-17) differ by up to ~1.3e-3
+        # between the decode steps and the teacher-forced chunk (16-bit activations vs float32 on
+        # AVX2's tiles; ~1e-4 where both take the integer kernels), the likely ones far less
         assert 1 <= len(row) <= 5 and max(row.values()) == pytest.approx(expected[0], abs=1e-4)
-        assert all(np.abs(expected[:5] - v).min() < 5e-4 for v in row.values()), (row, expected[:5])
+        assert all(np.abs(expected[:5] - v).min() < 2e-3 for v in row.values()), (row, expected[:5])
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     streamed = list(c.completions.create(model="m", prompt=prompt, max_tokens=20, temperature=0, logprobs=5,
                                          stream=True))

@@ -20,19 +20,26 @@ from .conftest import reference_npz_path
 from .weight_blocks import blocks
 
 INT_ISAS = [i for i in int_dot.ISA_LANES if int_dot.isa_available(i)]
+INT_CAPS = dict(int_dot.INT_MAX_ROWS)  # as shipped, before any test patches it
 pytestmark = pytest.mark.skipif(not INT_ISAS, reason="no x86 integer instruction set on this CPU")
 
 
 @pytest.mark.parametrize("qtype", list(int_matvec.INT_TYPES), ids=lambda t: t.name)
-def test_a_layer_takes_the_integer_kernels_at_every_row_count(qtype):
+def test_a_layer_takes_the_integer_kernels_at_every_row_count_its_isa_allows(qtype):
     raw = blocks(qtype, 64, 256)
     lin = QuantLinear(raw, qtype, 64, 256)
     assert lin.arith == "int" and lin.raw is None
+    assert lin.int_max_rows == (int_dot.INT_MAX_ROWS[int_dot.kernel_isa()] or 1 << 62)
     kernel = int_matvec.IntMatvec(qtype, raw, 256, int_dot.kernel_isa())
     x = np.random.default_rng(1).standard_normal((300, 256)).astype(np.float32)
     alone = kernel(x, np.empty((300, 64), np.float32))
+    w = dequantize(raw, qtype).reshape(64, 256).astype(np.float64)
     for T in (1, 4, 16, 17, 64, 300):  # the matvec sizes, a prompt chunk, past the pool's job size
-        assert np.array_equal(lin(x[:T]).view(np.uint32), alone[:T].view(np.uint32)), T
+        if T <= lin.int_max_rows:
+            assert np.array_equal(lin(x[:T]).view(np.uint32), alone[:T].view(np.uint32)), T
+        else:  # past the ISA's integer rows (AVX2): float tiles of the same matrix and BLAS
+            scale = np.abs(x[:T]).astype(np.float64) @ np.abs(w).T
+            assert np.max(np.abs(lin(x[:T]) - x[:T].astype(np.float64) @ w.T) / scale) < 1e-5, T
     assert lin(x[:3].reshape(3, 1, 256)).shape == (3, 1, 64)
     assert lin(x[:0]).shape == (0, 64)
     # the embedding side: rows dequantized from the repacked copy equal the file's blocks
@@ -93,12 +100,21 @@ def test_prefill_batching_follows_the_blas_and_the_layers(tmp_path, monkeypatch)
         return Engine.load(write_tiny_model(tmp_path / f"tiny-{arith}.gguf", "llama", context_length=256,
                                             weight_type=QT.Q8_0, seed=3), kv="full").model
 
-    on_int, on_blas = tiny("exact"), tiny("float")
+    on_blas = tiny("float")
+    capped = tiny("exact")  # as the instruction set has it: AVX2 sends long inputs to BLAS
+    for isa in int_dot.INT_MAX_ROWS:  # the integer kernels at every row count, as with VNNI
+        monkeypatch.setitem(int_dot.INT_MAX_ROWS, isa, None)
+    on_int = tiny("exact")
     assert not weights.products_use_blas(on_int) and weights.products_use_blas(on_blas)
+    assert weights.integer_rows(on_int) is None and weights.integer_rows(on_blas) is None
+    cap = weights.integer_rows(capped)
+    assert cap == INT_CAPS[int_dot.kernel_isa()]
+    assert weights.products_use_blas(capped) == (cap is not None)
     for independent in (True, False):
         monkeypatch.setattr(weights, "_blas_rows_independent", independent)
         assert min_batched_chunk(on_int) <= 512
         assert (min_batched_chunk(on_blas) <= 512) == independent
+        assert (min_batched_chunk(capped) <= 512) == (independent or cap is None)
     monkeypatch.setattr(weights, "_blas_rows_independent", None)  # measured again
     w = np.random.default_rng(2).standard_normal((576, 1536)).astype(np.float32)
     x = np.random.default_rng(3).standard_normal((300, 1536)).astype(np.float32)
@@ -113,15 +129,22 @@ def test_fast_mode_switches_at_run_time_at_llama_cpp_accuracy(smollm2_path, monk
     clearly not zero), back to the exact bits on "exact"; float needs a reload."""
     monkeypatch.delenv(weights.ARITH_ENV, raising=False)
     tokens = np.load(reference_npz_path("smollm2-135m-instruct", "gpl-3"))["tokens"][:160]
-    at = np.arange(len(tokens))
     engine = Engine.load(smollm2_path, kv="full")
     assert engine.arith == "exact"
-    exact = engine.model.forward(tokens, engine.new_cache(), at)
+    # chunks the integer kernels take whole (AVX2 sends longer ones to float tiles)
+    chunk = weights.integer_rows(engine.model) or len(tokens)
+
+    def forward():
+        cache = engine.new_cache()
+        return np.concatenate([engine.model.forward(tokens[s : s + chunk], cache, np.arange(len(tokens[s : s + chunk])))
+                               for s in range(0, len(tokens), chunk)])
+
+    exact = forward()
     engine.set_arith("fast")
     assert engine.arith == "fast" and all(lin.fast for lin in engine._int_layers())
-    fast = engine.model.forward(tokens, engine.new_cache(), at)
+    fast = forward()
     engine.set_arith("exact")
-    assert np.array_equal(engine.model.forward(tokens, engine.new_cache(), at), exact)
+    assert np.array_equal(forward(), exact)
     p, q = _log_softmax(exact), _log_softmax(fast)
     kl = float(np.sum(np.exp(p) * (p - q), axis=-1).mean())
     assert 1e-4 < kl < 0.01, kl

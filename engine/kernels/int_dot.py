@@ -44,6 +44,13 @@ ISA_ENV = "OMLX_KERNELS"
 ISAS = ("avx512vnni", "avxvnni", "avx2", "float")
 # i32 lanes of the vectors each instruction set's kernels work in
 ISA_LANES = {"avx512vnni": 16, "avxvnni": 8, "avx2": 8}
+# Rows of x above which a product is faster as dequantized float32 tiles and BLAS sgemm than by
+# the integer kernels (None: never). Without VNNI the 16-bit product is two instructions
+# (vpmaddwd, vpaddd) for 16 multiply-adds per 256 bits, no more than two FMAs, and sgemm reuses
+# each tile over the rows far better: on a Zen 3 EPYC (AVX2 only), a 2048 x 2048 matrix at 256
+# rows takes 29 ms (Q4_1) / 61 ms (Q4_K) by the integer kernels against 20 / 20 ms by the tiles,
+# while at 1-16 rows the integer kernels are 1.1-3x faster (docs/performance.md, 2026-12-03).
+INT_MAX_ROWS = {"avx512vnni": None, "avxvnni": None, "avx2": 32}
 
 ACT_BLOCK = 32  # activation values per scale
 ACT_MAX = 32767  # largest |code|

@@ -152,6 +152,58 @@ def repack(raw: np.ndarray, ggml_type) -> np.ndarray:
     return out.reshape(n_rows, row_bytes)
 
 
+@njit(nogil=True, cache=True)
+def _unpack_groups(packed, g0, n_groups, nbytes, field_at, field_off, field_size, header, codes_at, code_words,
+                   out):
+    """out (16 * n_groups, bytes) = groups g0.. of the repacked `packed` (rows, bytes) in GGUF
+    order: field i of row r of block b at group byte field_at[i] + r * size; code word j of row r
+    at header + (16 j + r) * 4 (the layout `repack` writes)."""
+    row_bytes = packed.shape[1]
+    nb = row_bytes // nbytes
+    gb = 16 * nbytes
+    src_all = packed.reshape(-1)
+    dst_all = out.reshape(-1)
+    n_fields = field_at.shape[0]
+    for g in range(n_groups):
+        src0 = (g0 + g) * 16 * row_bytes
+        for r in range(16):
+            dst_row = (16 * g + r) * row_bytes
+            for b in range(nb):
+                src = src0 + b * gb
+                dst = dst_row + b * nbytes
+                for i in range(n_fields):
+                    size = field_size[i]
+                    s_at = src + field_at[i] + r * size
+                    d_at = dst + field_off[i]
+                    for k in range(size):
+                        dst_all[d_at + k] = src_all[s_at + k]
+                s_at = src + header + 4 * r
+                d_at = dst + codes_at
+                for j in range(code_words):
+                    for k in range(4):
+                        dst_all[d_at + 4 * j + k] = src_all[s_at + 64 * j + k]
+
+
+def unpack_range(packed: np.ndarray, ggml_type, start: int, stop: int) -> np.ndarray:
+    """Rows start..stop (whole groups: multiples of GROUP) of a repacked matrix in GGUF block
+    order, (stop - start, bytes) uint8: the inverse of `repack` over a contiguous range (what a
+    dequantized tile needs), by a compiled copy rather than `unpack_rows`' gather."""
+    t = INT_TYPES[ggml_type]
+    if start % GROUP or stop % GROUP:
+        return unpack_rows(packed, ggml_type, np.arange(start, stop))
+    out = np.empty((stop - start, packed.shape[1]), dtype=np.uint8)
+    _unpack_groups(packed, start // GROUP, (stop - start) // GROUP, t.nbytes,
+                   np.array(t.field_at, np.int64), np.array([f[0] for f in t.fields], np.int64),
+                   np.array([f[1] for f in t.fields], np.int64), t.header, t.codes_at, t.code_words, out)
+    if t.kind == "q5":
+        nb = packed.shape[1] // t.nbytes
+        blocks = out.reshape(stop - start, nb, t.nbytes)
+        at = _qh_field(t)
+        qh = blocks[:, :, at : at + 4].copy().view(np.uint32)
+        blocks[:, :, at : at + 4] = _permute_bits(qh, np.argsort(QH5_ORDER)).view(np.uint8)
+    return out
+
+
 def unpack_rows(packed: np.ndarray, ggml_type, rows: np.ndarray) -> np.ndarray:
     """Rows `rows` of a repacked matrix in GGUF block order ((len(rows), bytes) uint8)."""
     t = INT_TYPES[ggml_type]
@@ -1731,6 +1783,9 @@ class IntMatvec:
 
     def rows_gguf(self, rows: np.ndarray) -> np.ndarray:
         return unpack_rows(self.packed, self.ggml_type, rows)
+
+    def range_gguf(self, start: int, stop: int) -> np.ndarray:
+        return unpack_range(self.packed, self.ggml_type, start, stop)
 
 
 _warm: set = set()
