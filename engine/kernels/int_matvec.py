@@ -70,7 +70,7 @@ class IntType:
     """One weight type's integer form: its GGUF block (values, bytes); the header fields of a
     block, (offset, size) each, repacked as 16 rows' copies side by side (float16 scales, 6-bit
     scale bytes); where its code bytes start and how many 4-byte code vectors a block has; the
-    code kind ("nibbles" 0..15, "bytes" int8, or a k-quant "q4_k" / "q6_k") and the offset
+    code kind ("nibbles" 0..15, "bytes" int8, or a k-quant "q4_k" / "q5_k" / "q6_k") and the offset
     subtracted from each code."""
 
     def __init__(self, ggml_type, values, nbytes, fields, codes_at, code_words, kind, offset=0, has_min=None):
@@ -96,6 +96,10 @@ INT_TYPES = {
     # Q4_K: d, dmin (float16), 12 bytes of 6-bit sub-block scales and minima, 128 nibble bytes
     # (byte 32c + l: low nibble value 64c + l, high nibble 64c + 32 + l)
     QT.Q4_K: IntType(QT.Q4_K, 256, 144, ((0, 2), (2, 2)) + tuple((4 + i, 1) for i in range(12)), 16, 32, "q4_k"),
+    # Q5_K: Q4_K's header, then qh[32] (byte l: bit 2c + h is the fifth bit of value 64c + 32h + l)
+    # and the 128 nibble bytes: the codes are 40 words, 8 of qh (word j: qh bytes 4j..4j + 3, the
+    # fifth bits of nibble word 8c + j for every c) then Q4_K's 32 nibble words
+    QT.Q5_K: IntType(QT.Q5_K, 256, 176, ((0, 2), (2, 2)) + tuple((4 + i, 1) for i in range(12)), 16, 40, "q5_k"),
     # Q6_K: ql[128] low nibbles, qh[64] high 2-bit pairs (the codes, 48 words), 16 int8 scales of
     # 16 values each, d (float16)
     QT.Q6_K: IntType(QT.Q6_K, 256, 210, ((208, 2),) + tuple((192 + i, 1) for i in range(16)), 0, 48, "q6_k"),
@@ -360,6 +364,18 @@ def _k_code_vectors(v, t: IntType, gb, lanes, half, sub):
             out.append((v.and_(v.shr(p, shifts[0]) if shifts[0] else p, 0x000F000F), 2 * j))
             out.append((v.and_(v.shr(p, shifts[1]), 0x000F000F), 2 * j + 1))
         return out
+    if t.kind == "q5_k":  # Q4_K's pairs | the fifth bit: bit 2c + hi of the same byte of qh word j
+        c, hi = divmod(sub, 2)
+        for j in range(8):
+            p = v.load(gb, t.header + 64 * (8 + 8 * c + j) + 4 * lanes * half, vi, align=1)
+            qh = v.load(gb, t.header + 64 * j + 4 * lanes * half, vi, align=1)
+            for odd in (0, 1):  # bytes 0, 2 (values 4j, 4j + 2) or 1, 3 of each lane
+                shift = 8 * odd + 4 * hi
+                nib = v.and_(v.shr(p, shift) if shift else p, 0x000F000F)
+                move = 8 * odd + 2 * c + hi - 4  # the fifth bit -> bit 4 (and 20) of the lane
+                fifth = v.shr(qh, move) if move > 0 else (v.shl(qh, -move) if move < 0 else qh)
+                out.append((v.or_(nib, v.and_(fifth, 0x00100010)), 2 * j + odd))
+        return out
     n, k = divmod(sub, 4)
     vh = vector_type(ir.IntType(16), 2 * lanes)
     thirty_two = ir.Constant(vh, [32] * (2 * lanes))
@@ -386,7 +402,7 @@ def make_group_dot_k(t: IntType, isa: str, n: int):
 
     lanes = int_dot.ISA_LANES[isa]
     halves = GROUP // lanes
-    n_int_accs = max(1, 4 // n) if t.kind == "q4_k" else max(1, 2 // n)
+    n_int_accs = max(1, 4 // n) if t.kind in ("q4_k", "q5_k") else max(1, 2 // n)
     subs = 8  # activation blocks per super-block
 
     @intrinsic
@@ -429,7 +445,7 @@ def make_group_dot_k(t: IntType, isa: str, n: int):
                 return total
 
             def scale_byte(gb, i, h, signed):
-                raw8 = v.load(gb, t.field_at[len(t.fields) - (12 if t.kind == "q4_k" else 16) + i] + lanes * h, vb, align=1)
+                raw8 = v.load(gb, t.field_at[len(t.fields) - (16 if t.kind == "q6_k" else 12) + i] + lanes * h, vb, align=1)
                 return builder.sext(raw8, vi) if signed else builder.zext(raw8, vi)
 
             with cgutils.for_range(builder, nb) as loop:
@@ -438,7 +454,7 @@ def make_group_dot_k(t: IntType, isa: str, n: int):
                 _prefetch(builder, gb, t.group_block)
                 for h in range(halves):
                     d = builder.fpext(v.load(gb, 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
-                    if t.kind == "q4_k":
+                    if t.kind in ("q4_k", "q5_k"):
                         dmin = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
                         col = [scale_byte(gb, i, h, False) for i in range(12)]
                     for sub in range(subs):
@@ -447,7 +463,7 @@ def make_group_dot_k(t: IntType, isa: str, n: int):
                         s_off = builder.mul(builder.add(h_words, a), c64(4))
                         x_scale = [v.splat(v.load(v.gep(xr, s_off), 0, F32, align=4), lanes) for xr in x_rows]
                         codes = _k_code_vectors(v, t, gb, lanes, h, sub)
-                        if t.kind == "q4_k":
+                        if t.kind in ("q4_k", "q5_k"):
                             # get_scale_min_k4: 6-bit scale and minimum of sub-block `sub`
                             if sub < 4:
                                 sc, mn = v.and_(col[sub], 63), v.and_(col[sub + 4], 63)
@@ -516,6 +532,13 @@ def _fast_code_vectors(v, t: IntType, gb, lanes, half, sub):
         for j in range(8):
             p = word(8 * c + j)
             out.append((v.and_(v.shr(p, 4) if hi else p, 0x0F0F0F0F), j))
+    elif t.kind == "q5_k":
+        c, hi = divmod(sub, 2)
+        for j in range(8):
+            p, qh = word(8 + 8 * c + j), word(j)
+            move = 2 * c + hi - 4  # bit 2c + hi of each qh byte -> bit 4
+            fifth = v.shr(qh, move) if move > 0 else (v.shl(qh, -move) if move < 0 else qh)
+            out.append((v.or_(v.and_(v.shr(p, 4) if hi else p, 0x0F0F0F0F), v.and_(fifth, 0x10101010)), j))
     else:  # q6_k
         n, k = divmod(sub, 4)
         for j in range(8):
@@ -589,7 +612,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                 return total
 
             def scale_byte(gb, i, h, signed):
-                raw8 = v.load(gb, t.field_at[len(t.fields) - (12 if t.kind == "q4_k" else 16) + i] + lanes * h, vb,
+                raw8 = v.load(gb, t.field_at[len(t.fields) - (16 if t.kind == "q6_k" else 12) + i] + lanes * h, vb,
                               align=1)
                 return builder.sext(raw8, vi) if signed else builder.zext(raw8, vi)
 
@@ -602,7 +625,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                 _prefetch(builder, gb, t.group_block)
                 for h in range(halves):
                     d = builder.fpext(v.load(gb, 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
-                    if t.kind == "q4_k":
+                    if t.kind in ("q4_k", "q5_k"):
                         dmin = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
                         col = [scale_byte(gb, i, h, False) for i in range(12)]
                     if t.has_min:
@@ -616,7 +639,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                         if t.kind == "bytes":
                             codes = [(v.b.xor(w, ir.Constant(vi, [0x80808080 - 2**32] * lanes)), word)
                                      for w, word in codes]  # codes + 128, unsigned
-                        if t.kind == "q4_k":
+                        if t.kind in ("q4_k", "q5_k"):
                             if sub < 4:
                                 sc, mn = v.and_(col[sub], 63), v.and_(col[sub + 4], 63)
                             else:
@@ -649,7 +672,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                                 off = t.offset + (128 if t.kind == "bytes" else 0)
                                 q_sum = x_word(x_rows[i], builder.add(builder.add(c_words, na), a), I32)
                                 total = builder.sub(total, builder.mul(q_sum, ir.Constant(vi, [off] * lanes)))
-                            if t.kind == "q4_k":
+                            if t.kind in ("q4_k", "q5_k"):
                                 blk = builder.fmul(builder.sitofp(total, vf), builder.fmul(dsc, x_scale[i]))
                                 sq = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(2))), a), F32)
                                 blk = builder.fsub(blk, builder.fmul(dmn, sq))
@@ -704,8 +727,11 @@ _g_q5_0_512_1, _g_q5_0_512_2, _g_q5_0_512_4 = (_GDOT[QT.Q5_0, "avx512vnni", n] f
 _g_q5_0_256_1, _g_q5_0_256_2, _g_q5_0_256_4 = (_GDOT[QT.Q5_0, "avxvnni", n] for n in (1, 2, 4))
 _g_q5_0_avx2_1, _g_q5_0_avx2_2, _g_q5_0_avx2_4 = (_GDOT[QT.Q5_0, "avx2", n] for n in (1, 2, 4))
 _g_q5_1_512_1, _g_q5_1_512_2, _g_q5_1_512_4 = (_GDOT[QT.Q5_1, "avx512vnni", n] for n in (1, 2, 4))
+_g_q5_k_512_1, _g_q5_k_512_2, _g_q5_k_512_4 = (_GDOT[QT.Q5_K, "avx512vnni", n] for n in (1, 2, 4))
 _g_q5_1_256_1, _g_q5_1_256_2, _g_q5_1_256_4 = (_GDOT[QT.Q5_1, "avxvnni", n] for n in (1, 2, 4))
+_g_q5_k_256_1, _g_q5_k_256_2, _g_q5_k_256_4 = (_GDOT[QT.Q5_K, "avxvnni", n] for n in (1, 2, 4))
 _g_q5_1_avx2_1, _g_q5_1_avx2_2, _g_q5_1_avx2_4 = (_GDOT[QT.Q5_1, "avx2", n] for n in (1, 2, 4))
+_g_q5_k_avx2_1, _g_q5_k_avx2_2, _g_q5_k_avx2_4 = (_GDOT[QT.Q5_K, "avx2", n] for n in (1, 2, 4))
 
 # Fast mode (int8 activations)
 _GDOT_FAST = {(tt, isa, n): make_group_dot_fast(INT_TYPES[tt], isa, n)
@@ -729,8 +755,11 @@ _f_q5_0_512_1, _f_q5_0_512_2, _f_q5_0_512_4 = (_GDOT_FAST[QT.Q5_0, "avx512vnni",
 _f_q5_0_256_1, _f_q5_0_256_2, _f_q5_0_256_4 = (_GDOT_FAST[QT.Q5_0, "avxvnni", n] for n in (1, 2, 4))
 _f_q5_0_avx2_1, _f_q5_0_avx2_2, _f_q5_0_avx2_4 = (_GDOT_FAST[QT.Q5_0, "avx2", n] for n in (1, 2, 4))
 _f_q5_1_512_1, _f_q5_1_512_2, _f_q5_1_512_4 = (_GDOT_FAST[QT.Q5_1, "avx512vnni", n] for n in (1, 2, 4))
+_f_q5_k_512_1, _f_q5_k_512_2, _f_q5_k_512_4 = (_GDOT_FAST[QT.Q5_K, "avx512vnni", n] for n in (1, 2, 4))
 _f_q5_1_256_1, _f_q5_1_256_2, _f_q5_1_256_4 = (_GDOT_FAST[QT.Q5_1, "avxvnni", n] for n in (1, 2, 4))
+_f_q5_k_256_1, _f_q5_k_256_2, _f_q5_k_256_4 = (_GDOT_FAST[QT.Q5_K, "avxvnni", n] for n in (1, 2, 4))
 _f_q5_1_avx2_1, _f_q5_1_avx2_2, _f_q5_1_avx2_4 = (_GDOT_FAST[QT.Q5_1, "avx2", n] for n in (1, 2, 4))
+_f_q5_k_avx2_1, _f_q5_k_avx2_2, _f_q5_k_avx2_4 = (_GDOT_FAST[QT.Q5_K, "avx2", n] for n in (1, 2, 4))
 
 
 @njit(nogil=True, cache=True)
@@ -1312,6 +1341,23 @@ def _irows_q5_1_512(raw, xw, y, r0, r1, yoff):
 
 
 @njit(nogil=True, cache=True)
+def _irows_q5_k_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q5_k_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q5_k_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q5_k_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
 def _irows_q5_1_256(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0]
     for g in range(r0 // 16, r1 // 16):
@@ -1329,6 +1375,23 @@ def _irows_q5_1_256(raw, xw, y, r0, r1, yoff):
 
 
 @njit(nogil=True, cache=True)
+def _irows_q5_k_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q5_k_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q5_k_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q5_k_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
 def _irows_q5_1_avx2(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0]
     for g in range(r0 // 16, r1 // 16):
@@ -1342,6 +1405,23 @@ def _irows_q5_1_avx2(raw, xw, y, r0, r1, yoff):
                 t += 2
             else:
                 _g_q5_1_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q5_k_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q5_k_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q5_k_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q5_k_avx2_1(raw, xw, y, g, t, yoff)
                 t += 1
 
 
@@ -1414,6 +1494,23 @@ def _frows_q5_1_512(raw, xw, y, r0, r1, yoff):
 
 
 @njit(nogil=True, cache=True)
+def _frows_q5_k_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q5_k_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q5_k_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q5_k_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
 def _frows_q5_1_256(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0]
     for g in range(r0 // 16, r1 // 16):
@@ -1431,6 +1528,23 @@ def _frows_q5_1_256(raw, xw, y, r0, r1, yoff):
 
 
 @njit(nogil=True, cache=True)
+def _frows_q5_k_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q5_k_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q5_k_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q5_k_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
 def _frows_q5_1_avx2(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0]
     for g in range(r0 // 16, r1 // 16):
@@ -1444,6 +1558,23 @@ def _frows_q5_1_avx2(raw, xw, y, r0, r1, yoff):
                 t += 2
             else:
                 _f_q5_1_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q5_k_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q5_k_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q5_k_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q5_k_avx2_1(raw, xw, y, g, t, yoff)
                 t += 1
 
 
@@ -1620,13 +1751,28 @@ def _c_q5_1_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, o
                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
+def _c_q5_k_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q5_k_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
 def _c_q5_1_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
     _irows_q5_1_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
+def _c_q5_k_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q5_k_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
 def _c_q5_1_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
     _irows_q5_1_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q5_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q5_k_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
                      carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
@@ -1650,13 +1796,28 @@ def _cf_q5_1_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, 
                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
+def _cf_q5_k_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q5_k_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
 def _cf_q5_1_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
     _frows_q5_1_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
+def _cf_q5_k_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q5_k_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
 def _cf_q5_1_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
     _frows_q5_1_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q5_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q5_k_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
                      carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
@@ -1672,6 +1833,9 @@ _COMPUTE_PY = {
     (QT.Q5_1, "avx512vnni"): _c_q5_1_512,
     (QT.Q5_1, "avxvnni"): _c_q5_1_256,
     (QT.Q5_1, "avx2"): _c_q5_1_avx2,
+    (QT.Q5_K, "avx512vnni"): _c_q5_k_512,
+    (QT.Q5_K, "avxvnni"): _c_q5_k_256,
+    (QT.Q5_K, "avx2"): _c_q5_k_avx2,
 }
 _ROWS = {
     (QT.Q4_0, "avx512vnni"): _irows_q4_0_512, (QT.Q4_0, "avxvnni"): _irows_q4_0_256,
@@ -1688,6 +1852,9 @@ _ROWS = {
     (QT.Q5_1, "avx512vnni"): _irows_q5_1_512,
     (QT.Q5_1, "avxvnni"): _irows_q5_1_256,
     (QT.Q5_1, "avx2"): _irows_q5_1_avx2,
+    (QT.Q5_K, "avx512vnni"): _irows_q5_k_512,
+    (QT.Q5_K, "avxvnni"): _irows_q5_k_256,
+    (QT.Q5_K, "avx2"): _irows_q5_k_avx2,
 }
 _COMPUTE_FAST_PY = {
     (QT.Q4_0, "avx512vnni"): _cf_q4_0_512, (QT.Q4_0, "avxvnni"): _cf_q4_0_256, (QT.Q4_0, "avx2"): _cf_q4_0_avx2,
@@ -1701,6 +1868,9 @@ _COMPUTE_FAST_PY = {
     (QT.Q5_1, "avx512vnni"): _cf_q5_1_512,
     (QT.Q5_1, "avxvnni"): _cf_q5_1_256,
     (QT.Q5_1, "avx2"): _cf_q5_1_avx2,
+    (QT.Q5_K, "avx512vnni"): _cf_q5_k_512,
+    (QT.Q5_K, "avxvnni"): _cf_q5_k_256,
+    (QT.Q5_K, "avx2"): _cf_q5_k_avx2,
 }
 _ROWS_FAST = {
     (QT.Q4_0, "avx512vnni"): _frows_q4_0_512, (QT.Q4_0, "avxvnni"): _frows_q4_0_256,
@@ -1717,6 +1887,9 @@ _ROWS_FAST = {
     (QT.Q5_1, "avx512vnni"): _frows_q5_1_512,
     (QT.Q5_1, "avxvnni"): _frows_q5_1_256,
     (QT.Q5_1, "avx2"): _frows_q5_1_avx2,
+    (QT.Q5_K, "avx512vnni"): _frows_q5_k_512,
+    (QT.Q5_K, "avxvnni"): _frows_q5_k_256,
+    (QT.Q5_K, "avx2"): _frows_q5_k_avx2,
 }
 _cfuncs: dict = {}
 _cfunc_lock = threading.Lock()

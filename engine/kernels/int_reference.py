@@ -54,6 +54,17 @@ def weight_codes(raw: np.ndarray, ggml_type):
         qs = b[:, :, 16:].astype(np.int64).reshape(rows, -1, 4, 32)  # (rows, nb, chunk c, byte l)
         codes = np.stack([qs & 15, qs >> 4], axis=3)  # value 64c + 32h + l
         return codes.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1), 0
+    if ggml_type == QT.Q5_K:
+        b = raw.reshape(rows, -1, 176)
+        sc, mn = _q4_k_scale_min(b[:, :, 4:16])
+        d = (f16(b[:, :, 0:2])[..., None] * sc.astype(np.float32)).astype(np.float32)
+        m = -(f16(b[:, :, 2:4])[..., None] * mn.astype(np.float32)).astype(np.float32)
+        qh = b[:, :, 16:48].astype(np.int64)[:, :, None, None, :]  # (rows, nb, 1, 1, byte l)
+        qs = b[:, :, 48:].astype(np.int64).reshape(rows, -1, 4, 1, 32)  # (rows, nb, chunk c, 1, l)
+        nib = np.concatenate([qs & 15, qs >> 4], axis=3)  # (rows, nb, c, h, l): value 64c + 32h + l
+        bit = 2 * np.arange(4)[:, None, None] + np.arange(2)[None, :, None]  # 2c + h
+        codes = nib | (((qh >> bit) & 1) << 4)
+        return codes.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1), 0
     if ggml_type == QT.Q6_K:
         b = raw.reshape(rows, -1, 210)
         ql = b[:, :, 0:128].astype(np.int64).reshape(rows, -1, 2, 2, 32)  # (.., half n, ql part, l)
