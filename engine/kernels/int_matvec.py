@@ -70,7 +70,7 @@ class IntType:
     """One weight type's integer form: its GGUF block (values, bytes); the header fields of a
     block, (offset, size) each, repacked as 16 rows' copies side by side (float16 scales, 6-bit
     scale bytes); where its code bytes start and how many 4-byte code vectors a block has; the
-    code kind ("nibbles" 0..15, "bytes" int8, or a k-quant "q4_k" / "q5_k" / "q6_k") and the offset
+    code kind ("nibbles" 0..15, "bytes" int8, or a k-quant "q3_k" / "q4_k" / "q5_k" / "q6_k") and the offset
     subtracted from each code."""
 
     def __init__(self, ggml_type, values, nbytes, fields, codes_at, code_words, kind, offset=0, has_min=None):
@@ -103,6 +103,10 @@ INT_TYPES = {
     # Q6_K: ql[128] low nibbles, qh[64] high 2-bit pairs (the codes, 48 words), 16 int8 scales of
     # 16 values each, d (float16)
     QT.Q6_K: IntType(QT.Q6_K, 256, 210, ((208, 2),) + tuple((192 + i, 1) for i in range(16)), 0, 48, "q6_k"),
+    # Q3_K: hmask[32] (byte l: bit 4n + j is the high bit of value 128n + 32j + l), qs[64] (byte
+    # 32n + l: bits 2j, 2j + 1 the low bits of that value) -- the codes, 24 words: hmask's 8, then
+    # qs' 16 --, 12 bytes of 6-bit scales of 16 values (ggml's packing, offset 32), d (float16)
+    QT.Q3_K: IntType(QT.Q3_K, 256, 110, ((108, 2),) + tuple((96 + i, 1) for i in range(12)), 0, 24, "q3_k"),
 }
 
 
@@ -378,6 +382,19 @@ def _k_code_vectors(v, t: IntType, gb, lanes, half, sub):
         return out
     n, k = divmod(sub, 4)
     vh = vector_type(ir.IntType(16), 2 * lanes)
+    if t.kind == "q3_k":  # value 128n + 32k + l: qs[32n + l] bits 2k, 2k+1 | hmask[l] bit 4n + k << 2, minus 4
+        four = ir.Constant(vh, [4] * (2 * lanes))
+        for j in range(8):
+            pl = v.load(gb, t.header + 64 * (8 + 8 * n + j) + 4 * lanes * half, vi, align=1)
+            ph = v.load(gb, t.header + 64 * j + 4 * lanes * half, vi, align=1)
+            low = v.and_(v.shr(pl, 2 * k) if k else pl, 0x03030303)
+            move = 4 * n + k - 2  # the high bit -> bit 2 of each byte
+            high = v.shr(ph, move) if move > 0 else (v.shl(ph, -move) if move < 0 else ph)
+            code = v.or_(low, v.and_(high, 0x04040404))  # byte i: the code of value 4j + i, 0..7
+            for e, word in ((0, 2 * j), (8, 2 * j + 1)):
+                pair = v.and_(v.shr(code, e) if e else code, 0x00FF00FF)
+                out.append((b.bitcast(b.sub(b.bitcast(pair, vh), four), vi), word))
+        return out
     thirty_two = ir.Constant(vh, [32] * (2 * lanes))
     for j in range(8):
         pl = v.load(gb, t.header + 64 * (16 * n + 8 * (k & 1) + j) + 4 * lanes * half, vi, align=1)
@@ -390,6 +407,17 @@ def _k_code_vectors(v, t: IntType, gb, lanes, half, sub):
             pair = v.and_(v.shr(code, e) if e else code, 0x00FF00FF)
             out.append((b.bitcast(b.sub(b.bitcast(pair, vh), thirty_two), vi), word))
     return out
+
+
+def _q3_k_scale(v, col, is_):
+    """ggml's Q3_K scale unpacking (the kmask1/kmask2 dance) for scale `is_` (0..15) of a
+    super-block, lane-wise over the zero-extended scale bytes `col` (12 <lanes x i32>): 0..63, the
+    caller subtracts 32."""
+    quarter, i = divmod(is_, 4)
+    low = v.and_(col[is_], 15) if quarter < 2 else v.shr(col[is_ - 8], 4)
+    top = col[8 + i]
+    shift = 2 * quarter
+    return v.or_(low, v.shl(v.and_(v.shr(top, shift) if shift else top, 3), 4))
 
 
 def make_group_dot_k(t: IntType, isa: str, n: int):
@@ -456,6 +484,7 @@ def make_group_dot_k(t: IntType, isa: str, n: int):
                     d = builder.fpext(v.load(gb, 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
                     if t.kind in ("q4_k", "q5_k"):
                         dmin = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
+                    if t.kind in ("q3_k", "q4_k", "q5_k"):
                         col = [scale_byte(gb, i, h, False) for i in range(12)]
                     for sub in range(subs):
                         a = builder.add(builder.mul(bi, c64(subs)), c64(sub))
@@ -480,8 +509,13 @@ def make_group_dot_k(t: IntType, isa: str, n: int):
                                 blk = builder.fsub(blk, builder.fmul(dmn, x_ssum[i]))
                                 builder.store(builder.fadd(builder.load(faccs[h][i]), blk), faccs[h][i])
                         else:
-                            half_scales = [builder.fmul(d, builder.sitofp(scale_byte(gb, 2 * sub + e, h, True), vf))
-                                           for e in (0, 1)]
+                            if t.kind == "q3_k":
+                                half_scales = [builder.fmul(d, builder.sitofp(
+                                    builder.sub(_q3_k_scale(v, col, 2 * sub + e), ir.Constant(vi, [32] * lanes)), vf))
+                                    for e in (0, 1)]
+                            else:
+                                half_scales = [builder.fmul(d, builder.sitofp(scale_byte(gb, 2 * sub + e, h, True), vf))
+                                               for e in (0, 1)]
                             for i in range(n):
                                 xc = v.gep(x_rows[i], code_off)
                                 for e in (0, 1):
@@ -539,6 +573,14 @@ def _fast_code_vectors(v, t: IntType, gb, lanes, half, sub):
             move = 2 * c + hi - 4  # bit 2c + hi of each qh byte -> bit 4
             fifth = v.shr(qh, move) if move > 0 else (v.shl(qh, -move) if move < 0 else qh)
             out.append((v.or_(v.and_(v.shr(p, 4) if hi else p, 0x0F0F0F0F), v.and_(fifth, 0x10101010)), j))
+    elif t.kind == "q3_k":  # unsigned 0..7 (offset 4, per 16 values)
+        n, k = divmod(sub, 4)
+        for j in range(8):
+            pl, ph = word(8 + 8 * n + j), word(j)
+            low = v.and_(v.shr(pl, 2 * k) if k else pl, 0x03030303)
+            move = 4 * n + k - 2
+            high = v.shr(ph, move) if move > 0 else (v.shl(ph, -move) if move < 0 else ph)
+            out.append((v.or_(low, v.and_(high, 0x04040404)), j))
     else:  # q6_k
         n, k = divmod(sub, 4)
         for j in range(8):
@@ -627,6 +669,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                     d = builder.fpext(v.load(gb, 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
                     if t.kind in ("q4_k", "q5_k"):
                         dmin = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
+                    if t.kind in ("q3_k", "q4_k", "q5_k"):
                         col = [scale_byte(gb, i, h, False) for i in range(12)]
                     if t.has_min:
                         m = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
@@ -650,14 +693,19 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                         if t.kind == "q6_k":
                             half_scales = [builder.fmul(d, builder.sitofp(scale_byte(gb, 2 * sub + e, h, True), vf))
                                            for e in (0, 1)]
+                        if t.kind == "q3_k":
+                            half_scales = [builder.fmul(d, builder.sitofp(
+                                builder.sub(_q3_k_scale(v, col, 2 * sub + e), ir.Constant(vi, [32] * lanes)), vf))
+                                for e in (0, 1)]
                         for i in range(n):
                             xc = v.gep(x_rows[i], code_off)
-                            if t.kind == "q6_k":
+                            if t.kind in ("q6_k", "q3_k"):
+                                code_offset = 32 if t.kind == "q6_k" else 4
                                 for e in (0, 1):
                                     total = dot_sum(xc, codes[4 * e : 4 * e + 4])
                                     q16 = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(3))),
                                                                         builder.add(builder.mul(a, c64(2)), c64(e))), I32)
-                                    total = builder.sub(total, builder.mul(q16, ir.Constant(vi, [32] * lanes)))
+                                    total = builder.sub(total, builder.mul(q16, ir.Constant(vi, [code_offset] * lanes)))
                                     f = builder.fmul(half_scales[e], x_scale[i])
                                     add_block(h, i, builder.fmul(builder.sitofp(total, vf), f))
                                 continue
@@ -721,8 +769,11 @@ _g_q4_k_512_1, _g_q4_k_512_2, _g_q4_k_512_4 = (_GDOT[QT.Q4_K, "avx512vnni", n] f
 _g_q4_k_256_1, _g_q4_k_256_2, _g_q4_k_256_4 = (_GDOT[QT.Q4_K, "avxvnni", n] for n in (1, 2, 4))
 _g_q4_k_avx2_1, _g_q4_k_avx2_2, _g_q4_k_avx2_4 = (_GDOT[QT.Q4_K, "avx2", n] for n in (1, 2, 4))
 _g_q6_k_512_1, _g_q6_k_512_2, _g_q6_k_512_4 = (_GDOT[QT.Q6_K, "avx512vnni", n] for n in (1, 2, 4))
+_g_q3_k_512_1, _g_q3_k_512_2, _g_q3_k_512_4 = (_GDOT[QT.Q3_K, "avx512vnni", n] for n in (1, 2, 4))
 _g_q6_k_256_1, _g_q6_k_256_2, _g_q6_k_256_4 = (_GDOT[QT.Q6_K, "avxvnni", n] for n in (1, 2, 4))
+_g_q3_k_256_1, _g_q3_k_256_2, _g_q3_k_256_4 = (_GDOT[QT.Q3_K, "avxvnni", n] for n in (1, 2, 4))
 _g_q6_k_avx2_1, _g_q6_k_avx2_2, _g_q6_k_avx2_4 = (_GDOT[QT.Q6_K, "avx2", n] for n in (1, 2, 4))
+_g_q3_k_avx2_1, _g_q3_k_avx2_2, _g_q3_k_avx2_4 = (_GDOT[QT.Q3_K, "avx2", n] for n in (1, 2, 4))
 _g_q5_0_512_1, _g_q5_0_512_2, _g_q5_0_512_4 = (_GDOT[QT.Q5_0, "avx512vnni", n] for n in (1, 2, 4))
 _g_q5_0_256_1, _g_q5_0_256_2, _g_q5_0_256_4 = (_GDOT[QT.Q5_0, "avxvnni", n] for n in (1, 2, 4))
 _g_q5_0_avx2_1, _g_q5_0_avx2_2, _g_q5_0_avx2_4 = (_GDOT[QT.Q5_0, "avx2", n] for n in (1, 2, 4))
@@ -749,8 +800,11 @@ _f_q4_k_512_1, _f_q4_k_512_2, _f_q4_k_512_4 = (_GDOT_FAST[QT.Q4_K, "avx512vnni",
 _f_q4_k_256_1, _f_q4_k_256_2, _f_q4_k_256_4 = (_GDOT_FAST[QT.Q4_K, "avxvnni", n] for n in (1, 2, 4))
 _f_q4_k_avx2_1, _f_q4_k_avx2_2, _f_q4_k_avx2_4 = (_GDOT_FAST[QT.Q4_K, "avx2", n] for n in (1, 2, 4))
 _f_q6_k_512_1, _f_q6_k_512_2, _f_q6_k_512_4 = (_GDOT_FAST[QT.Q6_K, "avx512vnni", n] for n in (1, 2, 4))
+_f_q3_k_512_1, _f_q3_k_512_2, _f_q3_k_512_4 = (_GDOT_FAST[QT.Q3_K, "avx512vnni", n] for n in (1, 2, 4))
 _f_q6_k_256_1, _f_q6_k_256_2, _f_q6_k_256_4 = (_GDOT_FAST[QT.Q6_K, "avxvnni", n] for n in (1, 2, 4))
+_f_q3_k_256_1, _f_q3_k_256_2, _f_q3_k_256_4 = (_GDOT_FAST[QT.Q3_K, "avxvnni", n] for n in (1, 2, 4))
 _f_q6_k_avx2_1, _f_q6_k_avx2_2, _f_q6_k_avx2_4 = (_GDOT_FAST[QT.Q6_K, "avx2", n] for n in (1, 2, 4))
+_f_q3_k_avx2_1, _f_q3_k_avx2_2, _f_q3_k_avx2_4 = (_GDOT_FAST[QT.Q3_K, "avx2", n] for n in (1, 2, 4))
 _f_q5_0_512_1, _f_q5_0_512_2, _f_q5_0_512_4 = (_GDOT_FAST[QT.Q5_0, "avx512vnni", n] for n in (1, 2, 4))
 _f_q5_0_256_1, _f_q5_0_256_2, _f_q5_0_256_4 = (_GDOT_FAST[QT.Q5_0, "avxvnni", n] for n in (1, 2, 4))
 _f_q5_0_avx2_1, _f_q5_0_avx2_2, _f_q5_0_avx2_4 = (_GDOT_FAST[QT.Q5_0, "avx2", n] for n in (1, 2, 4))
@@ -984,6 +1038,23 @@ def _irows_q6_k_512(raw, xw, y, r0, r1, yoff):
 
 
 @njit(nogil=True, cache=True)
+def _irows_q3_k_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q3_k_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q3_k_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q3_k_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
 def _irows_q6_k_256(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0]
     for g in range(r0 // 16, r1 // 16):
@@ -1001,6 +1072,23 @@ def _irows_q6_k_256(raw, xw, y, r0, r1, yoff):
 
 
 @njit(nogil=True, cache=True)
+def _irows_q3_k_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q3_k_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q3_k_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q3_k_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
 def _irows_q6_k_avx2(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0]
     for g in range(r0 // 16, r1 // 16):
@@ -1014,6 +1102,23 @@ def _irows_q6_k_avx2(raw, xw, y, r0, r1, yoff):
                 t += 2
             else:
                 _g_q6_k_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _irows_q3_k_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _g_q3_k_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _g_q3_k_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _g_q3_k_avx2_1(raw, xw, y, g, t, yoff)
                 t += 1
 
 
@@ -1239,6 +1344,23 @@ def _frows_q6_k_512(raw, xw, y, r0, r1, yoff):
 
 
 @njit(nogil=True, cache=True)
+def _frows_q3_k_512(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q3_k_512_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q3_k_512_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q3_k_512_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
 def _frows_q6_k_256(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0]
     for g in range(r0 // 16, r1 // 16):
@@ -1256,6 +1378,23 @@ def _frows_q6_k_256(raw, xw, y, r0, r1, yoff):
 
 
 @njit(nogil=True, cache=True)
+def _frows_q3_k_256(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q3_k_256_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q3_k_256_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q3_k_256_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
 def _frows_q6_k_avx2(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0]
     for g in range(r0 // 16, r1 // 16):
@@ -1269,6 +1408,23 @@ def _frows_q6_k_avx2(raw, xw, y, r0, r1, yoff):
                 t += 2
             else:
                 _f_q6_k_avx2_1(raw, xw, y, g, t, yoff)
+                t += 1
+
+
+@njit(nogil=True, cache=True)
+def _frows_q3_k_avx2(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 4:
+                _f_q3_k_avx2_4(raw, xw, y, g, t, yoff)
+                t += 4
+            elif T - t >= 2:
+                _f_q3_k_avx2_2(raw, xw, y, g, t, yoff)
+                t += 2
+            else:
+                _f_q3_k_avx2_1(raw, xw, y, g, t, yoff)
                 t += 1
 
 
@@ -1646,13 +1802,28 @@ def _c_q6_k_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, o
                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
+def _c_q3_k_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q3_k_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
 def _c_q6_k_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
     _irows_q6_k_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
+def _c_q3_k_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q3_k_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
 def _c_q6_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
     _irows_q6_k_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _c_q3_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _irows_q3_k_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
                      carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
@@ -1721,13 +1892,28 @@ def _cf_q6_k_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, 
                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
+def _cf_q3_k_512(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q3_k_512(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
 def _cf_q6_k_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
     _frows_q6_k_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
+def _cf_q3_k_256(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q3_k_256(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                    carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
 def _cf_q6_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
     _frows_q6_k_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
+                     carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+
+
+def _cf_q3_k_avx2(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    _frows_q3_k_avx2(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
                      carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
@@ -1836,6 +2022,9 @@ _COMPUTE_PY = {
     (QT.Q5_K, "avx512vnni"): _c_q5_k_512,
     (QT.Q5_K, "avxvnni"): _c_q5_k_256,
     (QT.Q5_K, "avx2"): _c_q5_k_avx2,
+    (QT.Q3_K, "avx512vnni"): _c_q3_k_512,
+    (QT.Q3_K, "avxvnni"): _c_q3_k_256,
+    (QT.Q3_K, "avx2"): _c_q3_k_avx2,
 }
 _ROWS = {
     (QT.Q4_0, "avx512vnni"): _irows_q4_0_512, (QT.Q4_0, "avxvnni"): _irows_q4_0_256,
@@ -1855,6 +2044,9 @@ _ROWS = {
     (QT.Q5_K, "avx512vnni"): _irows_q5_k_512,
     (QT.Q5_K, "avxvnni"): _irows_q5_k_256,
     (QT.Q5_K, "avx2"): _irows_q5_k_avx2,
+    (QT.Q3_K, "avx512vnni"): _irows_q3_k_512,
+    (QT.Q3_K, "avxvnni"): _irows_q3_k_256,
+    (QT.Q3_K, "avx2"): _irows_q3_k_avx2,
 }
 _COMPUTE_FAST_PY = {
     (QT.Q4_0, "avx512vnni"): _cf_q4_0_512, (QT.Q4_0, "avxvnni"): _cf_q4_0_256, (QT.Q4_0, "avx2"): _cf_q4_0_avx2,
@@ -1871,6 +2063,9 @@ _COMPUTE_FAST_PY = {
     (QT.Q5_K, "avx512vnni"): _cf_q5_k_512,
     (QT.Q5_K, "avxvnni"): _cf_q5_k_256,
     (QT.Q5_K, "avx2"): _cf_q5_k_avx2,
+    (QT.Q3_K, "avx512vnni"): _cf_q3_k_512,
+    (QT.Q3_K, "avxvnni"): _cf_q3_k_256,
+    (QT.Q3_K, "avx2"): _cf_q3_k_avx2,
 }
 _ROWS_FAST = {
     (QT.Q4_0, "avx512vnni"): _frows_q4_0_512, (QT.Q4_0, "avxvnni"): _frows_q4_0_256,
@@ -1890,6 +2085,9 @@ _ROWS_FAST = {
     (QT.Q5_K, "avx512vnni"): _frows_q5_k_512,
     (QT.Q5_K, "avxvnni"): _frows_q5_k_256,
     (QT.Q5_K, "avx2"): _frows_q5_k_avx2,
+    (QT.Q3_K, "avx512vnni"): _frows_q3_k_512,
+    (QT.Q3_K, "avxvnni"): _frows_q3_k_256,
+    (QT.Q3_K, "avx2"): _frows_q3_k_avx2,
 }
 _cfuncs: dict = {}
 _cfunc_lock = threading.Lock()

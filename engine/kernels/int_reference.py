@@ -65,6 +65,20 @@ def weight_codes(raw: np.ndarray, ggml_type):
         bit = 2 * np.arange(4)[:, None, None] + np.arange(2)[None, :, None]  # 2c + h
         codes = nib | (((qh >> bit) & 1) << 4)
         return codes.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1), 0
+    if ggml_type == QT.Q3_K:
+        b = raw.reshape(rows, -1, 110)
+        hm = b[:, :, 0:32].astype(np.int64)[:, :, None, None, :]  # (rows, nb, 1, 1, byte l)
+        qs = b[:, :, 32:96].astype(np.int64).reshape(rows, -1, 2, 1, 32)  # (rows, nb, n, 1, l)
+        j = np.arange(4)[:, None]
+        n = np.arange(2)[:, None, None]
+        codes = ((qs >> (2 * j)) & 3) | (((hm >> (4 * n + j)) & 1) << 2)  # value 128n + 32j + l
+        sc = b[:, :, 96:108].astype(np.int64)
+        low = np.concatenate([sc[..., 0:8] & 15, sc[..., 0:8] >> 4], axis=-1)  # scale i's low 4 bits
+        top = sc[..., 8:12]
+        high = np.concatenate([(top >> (2 * q)) & 3 for q in range(4)], axis=-1)  # scale 4q + i: bits 2q of byte 8 + i
+        scales = (low | (high << 4)) - 32
+        d = (f16(b[:, :, 108:110])[..., None] * scales.astype(np.float32)).astype(np.float32)
+        return codes.reshape(rows, -1) - 4, d.reshape(rows, -1), None, 0
     if ggml_type == QT.Q6_K:
         b = raw.reshape(rows, -1, 210)
         ql = b[:, :, 0:128].astype(np.int64).reshape(rows, -1, 2, 2, 32)  # (.., half n, ql part, l)
