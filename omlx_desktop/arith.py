@@ -32,6 +32,7 @@ class ArithController(QObject):
         self.w = window
         self.cancel: threading.Event | None = None   # the running measurement's
         panel, worker = window.kv_panel, window.worker
+        self.view = panel.arith_choice      # the panel's arithmetic row (kv_arith.ArithChoice)
         panel.arithChanged.connect(self.choose)
         worker.arithApplied.connect(self.on_applied)
         worker.arithCostReady.connect(self.on_cost)
@@ -71,11 +72,11 @@ class ArithController(QObject):
             return
         cost = self.stored_cost(info["model_id"])
         if cost is not None and cost.n_tokens == COST_TOKENS:
-            self.w.kv_panel.show_arith_cost(cost.mean_kl, cost.top1_agreement, cost.n_tokens)
+            self.view.show_cost(cost.mean_kl, cost.top1_agreement, cost.n_tokens)
             self.costShown.emit(cost)
-        elif self.w.kv_panel.running_arith() == "fast" and self.cancel is None:
+        elif self.view.running == "fast" and self.cancel is None:
             self.cancel = threading.Event()
-            self.w.kv_panel.arith_measuring()
+            self.view.measuring()
             self.w.request(MeasureArithCost(self.cancel, COST_TOKENS))
 
     def _show_refusal(self, error: str, failure: Failure | None = None) -> None:
@@ -95,7 +96,7 @@ class ArithController(QObject):
         if self.w.closed:
             return
         error = applied.failure.message if applied.failure is not None else ""
-        self.w.kv_panel.show_arith(applied.mode or None, error)
+        self.view.show(applied.mode or None, error)
         self._show_refusal(error, applied.failure)
         if applied.mode and not error:
             self.w.statusBar().showMessage(f"Weight arithmetic: {applied.mode}", 5000)
@@ -111,13 +112,13 @@ class ArithController(QObject):
         self.w.store.set_setting(COST_SETTING, costs)
         info = self._local_model()
         if info is not None and info["model_id"] == cost.model_id:
-            self.w.kv_panel.show_arith_cost(cost.mean_kl, cost.top1_agreement, cost.n_tokens)
+            self.view.show_cost(cost.mean_kl, cost.top1_agreement, cost.n_tokens)
             self.costShown.emit(cost)
 
     def on_cost_failed(self, failure: Failure) -> None:
         self.cancel = None
         if self.w.closed:
             return
-        self.w.kv_panel.arith_cost_failed(failure.kind, failure.message)
+        self.view.cost_failed(failure.kind, failure.message)
         if failure.logged:      # a bug, not a cancel or a model that cannot run fast: the banner too
             self.w.show_error(f"Measuring the fast arithmetic failed: {failure.message}", "arith", failure)
