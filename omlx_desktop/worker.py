@@ -10,6 +10,11 @@ with a :class:`~omlx_desktop.protocol.Failure` (kind and message, from
 :func:`engine.errors.describe`), never a dead thread. Generated text is coalesced: one ``tokens``
 signal per ~50 ms.
 
+The requests for documents are :class:`~omlx_desktop.worker_documents.DocumentRequests`, those of the
+KV panel's tuning (the Auto preset's profile, the weight arithmetic)
+:class:`~omlx_desktop.worker_tuning.TuningRequests`; both are given the worker as a
+:class:`~omlx_desktop.worker_host.WorkerHost`.
+
 KV figures for the live chart go through :class:`KVHolder`, a lock-protected pair of ints the
 worker writes (after each turn, each document, and every 16 tokens while generating) and the
 UI's chart reads.
@@ -17,7 +22,6 @@ UI's chart reads.
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 import time
@@ -30,13 +34,14 @@ from engine.errors import OmlxError
 from engine.fit import DOES_NOT_FIT
 
 from .protocol import (
-    AddDocument, ArithApplied, ArithCost, Configure, ConnectRemote, DocumentAdded, DocumentFailed, DocumentInfo,
-    DocumentPinned, DocumentsChanged, Failure, FetchModel, FitCheck, KVApplied, KVProfileReady, ListRemoteModels,
-    LoadModel, MeasureArithCost, MeasureKVProfile, ModelInfo, OpenConversation, RemoteModels, RemoveDocument,
-    SendMessage, SetArith, SetDocMode, SetPinned, SetRetrievalTokens, Shutdown, TurnFailed, TurnFinished,
+    AddDocument, ArithApplied, Configure, ConnectRemote, DocumentFailed, DocumentInfo, DocumentsChanged, Failure,
+    FetchModel, FitCheck, KVApplied, ListRemoteModels, LoadModel, MeasureArithCost, MeasureKVProfile, ModelInfo,
+    OpenConversation, RemoteModels, RemoveDocument, SendMessage, SetArith, SetDocMode, SetPinned,
+    SetRetrievalTokens, Shutdown, TurnFailed, TurnFinished,
 )
-
-log = logging.getLogger("omlx.desktop.worker")
+from .worker_documents import DocumentRequests
+from .worker_host import failure_of, log
+from .worker_tuning import TuningRequests
 
 TOKEN_BATCH_S = 0.05        # coalesce streamed text into one signal per 50 ms
 KV_PUBLISH_EVERY = 16       # tokens between KV publications while generating
@@ -75,33 +80,46 @@ class KVHolder:
             return self._value
 
 
-class _Cancelled(Exception):
-    """Raised from a progress callback to stop an engine call that takes no cancel Event."""
-
-
-class _EitherEvent:
-    """Set when either of two Events is (a request's cancel, the window's abort)."""
-
-    def __init__(self, a: threading.Event, b: threading.Event):
-        self.a, self.b = a, b
-
-    def is_set(self) -> bool:
-        return self.a.is_set() or self.b.is_set()
-
-
-def failure_of(exc: BaseException, what: str) -> Failure:
-    """The Failure a request ends with, logged: one of the engine's errors (``OmlxError``) by its
-    message, anything else (a bug, out of memory) with its traceback, which the window's banner
-    points to (``Failure.logged``)."""
-    if isinstance(exc, OmlxError):
-        log.info("%s: %s", what, exc.user_message)
-        return Failure.of(exc)
-    log.error("%s", what, exc_info=exc)
-    return Failure.of(exc, logged=True)
-
-
 def is_frozen() -> bool:
     return bool(getattr(sys, "frozen", False))
+
+
+def fit_estimate(path, ctx: int | None, spec: str | None):
+    """engine.fit's estimate for ``path`` at context ``ctx`` and KV setting ``spec`` (None if the
+    estimate itself fails: the load then reports what is wrong with the file)."""
+    from engine import fit
+    from engine.errors import SettingsError
+
+    try:
+        try:
+            return fit.estimate_file(path, ctx, spec)
+        except SettingsError:  # a KV setting for another model's layers: the default's estimate
+            return fit.estimate_file(path, ctx, None)
+    except Exception as exc:
+        log.info("no memory estimate for %s: %s", path, exc)
+        return None
+
+
+def model_info(e, default_ctx: int) -> ModelInfo:
+    """What the window shows of the local engine ``e`` (``default_ctx``: its largest context here)."""
+    g = e.model.kv_geometry
+    try:
+        size = Path(e.path).stat().st_size
+    except OSError:
+        size = 0
+    return ModelInfo(
+        name=e.name, path=str(e.path), file_size=size,
+        architecture=getattr(e.model, "architecture", ""),
+        context_length=e.model.context_length, kv_spec=str(e.kv_config),
+        kv_bytes_per_token=e.kv_bytes_per_token(),
+        kv_bytes_per_token_16=e.model.kv_bytes_per_token(),
+        has_chat_template=e.has_chat_template,
+        geometry={"n_layers": g.n_layers, "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim,
+                  "value_dim": g.value_dim, "windows": list(g.windows)},
+        default_ctx=default_ctx,
+        model_id=e.model_id,
+        arith=e.arith,
+    )
 
 
 class EngineWorker(QObject):
@@ -148,19 +166,21 @@ class EngineWorker(QObject):
         self.spec: str | None = None            # wanted KV spec (None: the default preset)
         self.ctx: int | None = None
         self.overflow = "rolling"
-        self.arith = "exact"                    # wanted weight arithmetic (SetArith)
         # Set by the window when it closes (from the UI thread: an Event is safe to share):
         # prefills stop at their next chunk and queued requests are skipped.
         self.abort = threading.Event()
+        self.docs = DocumentRequests(self)
+        self.tuning = TuningRequests(self)      # also holds the wanted weight arithmetic
         self._handlers = {
             FetchModel: self.fetch, LoadModel: self.load, Configure: self.configure,
             OpenConversation: self.open_conversation, SendMessage: self.send,
-            AddDocument: self.add_document, SetPinned: self.set_pinned,
-            RemoveDocument: self.remove_document, MeasureKVProfile: self.measure_kv_profile,
-            SetDocMode: self.set_doc_mode, SetRetrievalTokens: self.set_retrieval_tokens,
-            Shutdown: self.shutdown,
+            AddDocument: self.docs.add_document, SetPinned: self.docs.set_pinned,
+            RemoveDocument: self.docs.remove_document, SetDocMode: self.docs.set_doc_mode,
+            SetRetrievalTokens: self.docs.set_retrieval_tokens,
+            MeasureKVProfile: self.tuning.measure_kv_profile, SetArith: self.tuning.set_arith,
+            MeasureArithCost: self.tuning.measure_arith_cost,
             ListRemoteModels: self.list_remote_models, ConnectRemote: self.connect_remote,
-            SetArith: self.set_arith, MeasureArithCost: self.measure_arith_cost,
+            Shutdown: self.shutdown,
         }
 
     @Slot(object)
@@ -201,7 +221,7 @@ class EngineWorker(QObject):
         conv = getattr(request, "conv", None)
         if conv is not None:    # rows left "reading…" show what the engine holds
             try:
-                self.documentsChanged.emit(self._documents(conv))
+                self.documentsChanged.emit(self.documents_of(conv))
             except Exception:
                 log.exception("listing the documents after a failure failed")
         if isinstance(request, OpenConversation):
@@ -231,7 +251,7 @@ class EngineWorker(QObject):
 
         try:
             path = resolve_model(request.spec, fetch_missing=False)
-            estimate = self._fit_estimate(path)
+            estimate = fit_estimate(path, self.ctx, self.spec)
             if estimate is not None and estimate.verdict == DOES_NOT_FIT and not request.force:
                 log.info("%s does not fit: %s", path, estimate.summary())
                 self.loadNeedsConfirmation.emit(FitCheck(
@@ -246,10 +266,10 @@ class EngineWorker(QObject):
                     # the window trims them to the model's layers and configures again
                     log.info("KV setting %s does not fit %s (%s); using %s until the next "
                              "setting", self.spec, engine.name, exc, engine.kv_config)
-            arith_error = self._use_arith(engine)
+            arith_error = self.tuning.use_arith(engine)
             # all of the new model's description before it replaces the loaded one: a failure
             # here leaves the previous model (and its conversation) answering
-            info = replace(self._model_info(engine), arith_error=arith_error)
+            info = replace(model_info(engine, self._max_ctx(engine)), arith_error=arith_error)
             if estimate is not None:
                 info = replace(info, fit_verdict=estimate.verdict, fit_summary=estimate.summary())
         except Exception as exc:
@@ -307,42 +327,6 @@ class EngineWorker(QObject):
             self.remote.close()
             self.remote = None
 
-    def _fit_estimate(self, path):
-        """engine.fit's estimate for ``path`` at the wanted context and KV setting (None if the
-        estimate itself fails: the load then reports what is wrong with the file)."""
-        from engine import fit
-        from engine.errors import SettingsError
-
-        try:
-            try:
-                return fit.estimate_file(path, self.ctx, self.spec)
-            except SettingsError:  # a KV setting for another model's layers: the default's estimate
-                return fit.estimate_file(path, self.ctx, None)
-        except Exception as exc:
-            log.info("no memory estimate for %s: %s", path, exc)
-            return None
-
-    def _model_info(self, e) -> ModelInfo:
-        """What the window shows of the local engine ``e``."""
-        g = e.model.kv_geometry
-        try:
-            size = Path(e.path).stat().st_size
-        except OSError:
-            size = 0
-        return ModelInfo(
-            name=e.name, path=str(e.path), file_size=size,
-            architecture=getattr(e.model, "architecture", ""),
-            context_length=e.model.context_length, kv_spec=str(e.kv_config),
-            kv_bytes_per_token=e.kv_bytes_per_token(),
-            kv_bytes_per_token_16=e.model.kv_bytes_per_token(),
-            has_chat_template=e.has_chat_template,
-            geometry={"n_layers": g.n_layers, "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim,
-                      "value_dim": g.value_dim, "windows": list(g.windows)},
-            default_ctx=self._max_ctx(e),
-            model_id=e.model_id,
-            arith=e.arith,
-        )
-
     # -- settings -------------------------------------------------------------------------
     def configure(self, request: Configure) -> None:
         """Remembers the wanted KV spec, context and overflow policy; they apply before the
@@ -369,7 +353,7 @@ class EngineWorker(QObject):
             return
         self.switchCost.emit(dict(cost, spec=str(config)))
 
-    def _apply_settings(self) -> None:
+    def apply_settings(self) -> None:
         """Brings the engine and the session to the wanted settings. A new KV format reads the
         pinned documents again into it (with their progress shown), before the request that
         needs them."""
@@ -383,7 +367,7 @@ class EngineWorker(QObject):
                 e.set_kv(self.spec)
                 self.settingsApplied.emit(KVApplied(str(e.kv_config), e.kv_bytes_per_token()))
                 if s is not None and any(d.pinned for d in s.documents):
-                    self._prepare_pinned(self.conv)
+                    self.prepare_pinned(self.conv)
                 self._report_switch_cost()  # now the current format: the panel's note goes
         if s is not None:
             ctx = min(self.ctx or e.model.context_length, e.model.context_length)
@@ -392,7 +376,7 @@ class EngineWorker(QObject):
             if s.overflow != self.overflow:
                 s.set_overflow(self.overflow)
 
-    def _prepare_pinned(self, conv: int) -> None:
+    def prepare_pinned(self, conv: int) -> None:
         """Prefills the session's pinned prefix, reporting progress on every pinned document's
         row, then their state."""
         keys = [d.id for d in self.session.documents if d.pinned]
@@ -400,14 +384,14 @@ class EngineWorker(QObject):
         def progress(done: int, total: int) -> None:
             for key in keys:
                 self.documentProgress.emit(conv, key, int(done), int(total))
-            self._publish_kv()
+            self.publish_kv()
 
         for key in keys:
             self.documentProgress.emit(conv, key, 0, 1)
         self.session.prepare(progress=progress, cancel=self.abort)
-        self.documentsChanged.emit(self._documents(conv))
+        self.documentsChanged.emit(self.documents_of(conv))
 
-    def _publish_kv(self) -> None:
+    def publish_kv(self) -> None:
         if self.engine is None:
             return
         self.kv.publish(*self.engine.kv_usage())
@@ -451,7 +435,7 @@ class EngineWorker(QObject):
         conv = request.conv
         try:
             self._close_session()
-            self._apply_settings()
+            self.apply_settings()
             session = self._new_session(request.system_prompt, request.doc_mode,
                                         request.retrieval_tokens)
             self.session, self.conv = session, conv
@@ -465,24 +449,24 @@ class EngineWorker(QObject):
                     self.error.emit(Failure(exc.kind, f"{d.name} is no longer pinned: {exc.user_message}"))
                 doc.path = d.path
             if any(d.pinned for d in session.documents):
-                self._prepare_pinned(conv)
+                self.prepare_pinned(conv)
         except Exception as exc:
             failure = failure_of(exc, f"opening conversation {conv} failed")
             self.error.emit(replace(failure, message=f"cannot open the conversation: {failure.message}"))
-        self._publish_kv()
-        self.documentsChanged.emit(self._documents(conv))
+        self.publish_kv()
+        self.documentsChanged.emit(self.documents_of(conv))
         self.conversationOpened.emit(conv)
 
-    def _documents(self, conv: int) -> DocumentsChanged:
+    def documents_of(self, conv: int) -> DocumentsChanged:
         docs = self.session.documents if self.session is not None else []
-        return DocumentsChanged(conv, tuple(self._document_info(d) for d in docs))
+        return DocumentsChanged(conv, tuple(self.document_info(d) for d in docs))
 
-    def _document_info(self, d) -> DocumentInfo:
+    def document_info(self, d) -> DocumentInfo:
         retrieval = d.pinned and d.mode == "retrieval"
         return DocumentInfo(key=d.id, name=d.name, path=d.path, n_tokens=d.n_tokens,
                             pinned=d.pinned, cached=d.cached, mode=d.mode if d.pinned else "whole",
                             sections=len(d.index.chunks) if retrieval and d.index is not None else 0,
-                            whole_ctx=self._whole_ctx(d.n_tokens) if retrieval else 0)
+                            whole_ctx=self.whole_ctx(d.n_tokens) if retrieval else 0)
 
     def _max_ctx(self, engine=None) -> int:
         """The largest context for ``engine`` (default: the loaded one): its own, capped by what
@@ -497,7 +481,7 @@ class EngineWorker(QObject):
             log.info("no context estimate at %s: %s", self.spec, exc)
             return fit.default_context(gguf, None)
 
-    def _whole_ctx(self, n_tokens: int) -> int:
+    def whole_ctx(self, n_tokens: int) -> int:
         """A context that holds the pinned whole documents plus one of ``n_tokens`` read whole,
         with the answer's reserve (rounded up to engine.fit's step), if one that large is
         allowed and larger than the current one; else 0."""
@@ -510,7 +494,7 @@ class EngineWorker(QObject):
         needed = -(-needed // fit.CONTEXT_STEP) * fit.CONTEXT_STEP
         return needed if s.ctx < needed <= self._max_ctx() else 0
 
-    def _check_conv(self, conv: int) -> None:
+    def check_conv(self, conv: int) -> None:
         from engine.errors import EngineError
 
         if self.engine is None and self.remote is None:
@@ -522,8 +506,8 @@ class EngineWorker(QObject):
     def send(self, request: SendMessage) -> None:
         rid, cancel = request.id, request.cancel
         try:
-            self._check_conv(request.conv)
-            self._apply_settings()
+            self.check_conv(request.conv)
+            self.apply_settings()
             session = self.session
             options = {"max_tokens": request.max_tokens, "cancel": cancel,
                        "prefill_progress": self._prefill_reporter(rid)}
@@ -542,7 +526,7 @@ class EngineWorker(QObject):
                     pending.clear()
                     last_emit = now
                 if n % KV_PUBLISH_EVERY == 0:
-                    self._publish_kv()
+                    self.publish_kv()
             if pending:
                 self.tokens.emit(rid, "".join(pending))
             result = gen.result
@@ -550,12 +534,12 @@ class EngineWorker(QObject):
             failure = failure_of(exc, f"turn {rid} failed")
             if self.session is not None and self.conv == request.conv and not request.regenerate:
                 self.session.keep_unanswered(request.text)   # as the Store keeps it
-            self._publish_kv()
+            self.publish_kv()
             self.turnFailed.emit(TurnFailed(rid, failure))
             return
         set_at = getattr(cancel, "set_at", None)
         stopped_in = time.monotonic() - set_at if set_at is not None else None
-        self._publish_kv()
+        self.publish_kv()
         stats = result.stats.as_dict()
         stats["finish_reason"] = result.finish_reason
         if stopped_in is not None:
@@ -565,200 +549,13 @@ class EngineWorker(QObject):
             stats.pop("arith", None)          # the server's own arithmetic, unknown here
         stats["retrieved"] = list(getattr(gen, "retrieved", []))  # sections the answer was shown
         self.turnFinished.emit(TurnFinished(rid, result.text, result.finish_reason, stats))
-        self.documentsChanged.emit(self._documents(self.conv))
+        self.documentsChanged.emit(self.documents_of(self.conv))
 
     def _prefill_reporter(self, rid: int):
         def report(done: int, total: int) -> None:
             self.prefillProgress.emit(rid, int(done), int(total))
-            self._publish_kv()
+            self.publish_kv()
         return report
-
-    # -- documents ------------------------------------------------------------------------
-    def add_document(self, request: AddDocument) -> None:
-        from engine.errors import DocumentError
-        from engine.session import read_document
-
-        conv, key, path = request.conv, request.key, request.path
-        text = None
-        try:
-            self._check_conv(conv)
-            self._apply_settings()          # read it into the cache format the next turn uses
-            text = request.text if request.text is not None else read_document(path)
-            name = request.name or Path(path).name
-            for d in self.session.documents:
-                if d.text == text:
-                    raise DocumentError(f"{name} is already in this conversation (as {d.name})")
-
-            def progress(done: int, total: int) -> None:
-                self.documentProgress.emit(conv, key, int(done), int(total))
-                self._publish_kv()
-
-            doc = self.session.add_document(text=text, name=name, progress=progress,
-                                            cancel=self.abort, doc_id=key)
-            doc.path = str(path) if path else None
-        except Exception as exc:
-            failure = failure_of(exc, f"document {path or request.name} refused")
-            needs_ctx, can_retrieve = 0, False
-            if isinstance(exc, DocumentError) and text is not None and self.session is not None \
-                    and self.engine is not None and not any(d.text == text for d in self.session.documents):
-                # it was read but does not fit: the ways to make it fit
-                n_tokens = len(self.engine.tokenizer.encode(text))
-                needs_ctx = self._whole_ctx(n_tokens)
-                can_retrieve = self.session.doc_mode == "whole"
-            self.documentFailed.emit(DocumentFailed(conv, key, failure, needs_ctx, can_retrieve))
-            return
-        self._publish_kv()
-        info = self._document_info(doc)
-        self.documentAdded.emit(DocumentAdded(conv, info, doc.text))
-        self.documentsChanged.emit(self._documents(conv))
-
-    def set_pinned(self, request: SetPinned) -> None:
-        conv, key = request.conv, request.key
-        try:
-            self._check_conv(conv)
-            self._apply_settings()
-
-            def progress(done: int, total: int) -> None:
-                self.documentProgress.emit(conv, key, int(done), int(total))
-
-            self.session.set_pinned(key, request.pinned, progress=progress)
-        except Exception as exc:
-            self.documentFailed.emit(DocumentFailed(conv, key, failure_of(exc, f"pinning {key} failed")))
-        else:
-            self.documentPinned.emit(DocumentPinned(conv, key, request.pinned))
-        self._publish_kv()
-        self.documentsChanged.emit(self._documents(conv))
-
-    def set_doc_mode(self, request: SetDocMode) -> None:
-        """The conversation's document mode (after the current settings, e.g. a raised
-        context, are applied); the pinned documents are read as it says, with their progress."""
-        conv = request.conv
-        try:
-            self._check_conv(conv)
-            self._apply_settings()
-            keys = [d.id for d in self.session.documents if d.pinned]
-
-            def progress(done: int, total: int) -> None:
-                for key in keys:
-                    self.documentProgress.emit(conv, key, int(done), int(total))
-
-            self.session.set_doc_mode(request.mode, progress=progress, cancel=self.abort)
-            self._prepare_pinned(conv)
-        except Exception as exc:
-            self.error.emit(failure_of(exc, f"document mode {request.mode} refused"))
-        else:
-            for d in self.session.documents:
-                if d.pinned:
-                    self.documentPinned.emit(DocumentPinned(conv, d.id, True))
-        self._publish_kv()
-        self.documentsChanged.emit(self._documents(conv))
-
-    def set_retrieval_tokens(self, request: SetRetrievalTokens) -> None:
-        """The conversation's retrieval budget, from its next answer on (a remote server reads
-        documents whole: nothing to set)."""
-        try:
-            self._check_conv(request.conv)
-            setter = getattr(self.session, "set_retrieval_tokens", None)
-            if setter is not None:
-                setter(request.tokens)
-        except Exception as exc:
-            self.error.emit(failure_of(exc, f"retrieval budget {request.tokens} refused"))
-
-    def remove_document(self, request: RemoveDocument) -> None:
-        try:
-            self._check_conv(request.conv)
-            self.session.remove_document(request.key)
-        except Exception as exc:
-            self.error.emit(failure_of(exc, f"removing {request.key} failed"))
-        self._publish_kv()
-        self.documentsChanged.emit(self._documents(request.conv))
-
-    # -- KV sensitivity (Auto preset) -----------------------------------------------------
-    def measure_kv_profile(self, request: MeasureKVProfile) -> None:
-        """The loaded model's KV sensitivity profile: from the store (per model file sha256), or
-        measured with progress; stops when the request's cancel or the window's abort is set."""
-        from engine import kvtune
-        from engine.errors import EngineError
-
-        t0 = time.perf_counter()
-        try:
-            if self.engine is None:
-                raise EngineError("no local model is loaded: load one before measuring its KV sensitivity")
-            cancel = _EitherEvent(request.cancel, self.abort)
-            kwargs = {"n_tokens": request.n_tokens} if request.n_tokens else {}
-            profile, from_store = kvtune.default_profile(
-                self.engine, progress=lambda s, f: self.kvProfileProgress.emit(s, float(f)), cancel=cancel,
-                **kwargs)
-        except Exception as exc:
-            self.kvProfileFailed.emit(failure_of(exc, "KV sensitivity profile failed"))
-            return
-        self.kvProfileReady.emit(KVProfileReady(str(self.engine.path), profile, from_store,
-                                                time.perf_counter() - t0))
-
-    # -- weight arithmetic ----------------------------------------------------------------
-    def _use_arith(self, engine) -> str:
-        """Switches ``engine`` to the wanted arithmetic; returns why it cannot ('' when it runs it,
-        or when exact is wanted of a model that has only float: nothing the user can change)."""
-        from engine.errors import SettingsError
-
-        if engine.arith == self.arith or (engine.arith == "float" and self.arith == "exact"):
-            return ""
-        try:
-            engine.set_arith(self.arith)
-        except SettingsError as exc:
-            log.info("%s arithmetic refused for %s: %s", self.arith, engine.name, exc.user_message)
-            return exc.user_message
-        return ""
-
-    def set_arith(self, request: SetArith) -> None:
-        """The wanted arithmetic, applied at once to the loaded model (a setting error is reported,
-        the model keeps the arithmetic it had) and to every model loaded later. Pinned documents
-        are read again in it, as after a KV format switch: KV blocks depend on the arithmetic."""
-        from engine.errors import SettingsError
-        from engine.weights import check_arith
-
-        self.arith = check_arith(request.mode)
-        e = self.engine
-        if e is None:
-            self.arithApplied.emit(ArithApplied(""))
-            return
-        before = e.arith
-        error = self._use_arith(e)
-        failure = Failure(SettingsError.kind, error) if error else None
-        self.arithApplied.emit(ArithApplied(e.arith, failure))
-        if e.arith != before and self.session is not None and any(d.pinned for d in self.session.documents):
-            self._prepare_pinned(self.conv)
-
-    def measure_arith_cost(self, request: MeasureArithCost) -> None:
-        """The fast arithmetic's mean KL against exact on the loaded model, over the start of the
-        shipped calibration text; it stops between its two passes when the request's cancel or the
-        window's abort is set."""
-        from engine import kvtune
-        from engine.errors import EngineError
-        from engine.evaluate import evaluate_kv
-
-        cancel = _EitherEvent(request.cancel, self.abort)
-
-        def check(_stage: str, _fraction: float) -> None:
-            if cancel.is_set():
-                raise _Cancelled
-
-        t0 = time.perf_counter()
-        try:
-            e = self.engine
-            if e is None:
-                raise EngineError("no local model is loaded: load one before measuring its arithmetic")
-            check("", 0.0)
-            tokens = kvtune.default_calibration_tokens(e, request.n_tokens)
-            quality = evaluate_kv(e, tokens, ["full"], progress=check, arith="fast")[0]
-        except _Cancelled:
-            self.arithCostFailed.emit(Failure("cancelled", "the measurement was cancelled"))
-            return
-        except Exception as exc:
-            self.arithCostFailed.emit(failure_of(exc, "measuring the fast arithmetic failed"))
-            return
-        self.arithCostReady.emit(ArithCost(e.model_id, float(quality.mean_kl), float(quality.top1_agreement),
-                                           len(tokens) - 1, time.perf_counter() - t0))
 
     def shutdown(self, _request: Shutdown | None = None) -> None:
         self._close_session()

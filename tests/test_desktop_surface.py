@@ -92,3 +92,19 @@ def test_the_window_has_the_surface_its_controllers_use(window):
             (protocol, getattr(window, name)) for name, protocol in SIBLINGS.items()]:
         for name, hint in declared_types(protocol).items():
             assert isinstance(getattr(target, name), hint), (protocol.__name__, name, hint)
+
+
+def test_the_worker_is_the_host_its_request_groups_use(qapp):
+    """worker_documents and worker_tuning touch exactly WorkerHost's members of the worker they
+    are given (``self.w`` or ``w = self.w``), and a real EngineWorker has them all."""
+    from omlx_desktop.worker import EngineWorker
+    from omlx_desktop.worker_host import WorkerHost
+
+    used = set()
+    for module in ("worker_documents", "worker_tuning"):
+        tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
+        used |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and is_window(node.value)}
+    assert used == members(WorkerHost), sorted(used ^ members(WorkerHost))
+    worker = EngineWorker()
+    missing = [name for name in members(WorkerHost) if not hasattr(worker, name)]
+    assert not missing, missing

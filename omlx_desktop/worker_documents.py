@@ -1,0 +1,123 @@
+"""The engine worker's document requests: add, pin, remove, the conversation's document mode and
+retrieval budget. Each checks that the conversation is the open one, brings the engine to the
+wanted settings first where the document is read, and ends with the documents the session holds
+(``documentsChanged``) so no row stays "reading…".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .protocol import (
+    AddDocument, DocumentAdded, DocumentFailed, DocumentPinned, RemoveDocument, SetDocMode, SetPinned,
+    SetRetrievalTokens,
+)
+from .worker_host import WorkerHost, failure_of
+
+
+class DocumentRequests:
+    def __init__(self, host: WorkerHost):
+        self.w = host
+
+    def add_document(self, request: AddDocument) -> None:
+        from engine.errors import DocumentError
+        from engine.session import read_document
+
+        w = self.w
+        conv, key, path = request.conv, request.key, request.path
+        text = None
+        try:
+            w.check_conv(conv)
+            w.apply_settings()          # read it into the cache format the next turn uses
+            text = request.text if request.text is not None else read_document(path)
+            name = request.name or Path(path).name
+            for d in w.session.documents:
+                if d.text == text:
+                    raise DocumentError(f"{name} is already in this conversation (as {d.name})")
+
+            def progress(done: int, total: int) -> None:
+                w.documentProgress.emit(conv, key, int(done), int(total))
+                w.publish_kv()
+
+            doc = w.session.add_document(text=text, name=name, progress=progress,
+                                         cancel=w.abort, doc_id=key)
+            doc.path = str(path) if path else None
+        except Exception as exc:
+            failure = failure_of(exc, f"document {path or request.name} refused")
+            needs_ctx, can_retrieve = 0, False
+            if isinstance(exc, DocumentError) and text is not None and w.session is not None \
+                    and w.engine is not None and not any(d.text == text for d in w.session.documents):
+                # it was read but does not fit: the ways to make it fit
+                n_tokens = len(w.engine.tokenizer.encode(text))
+                needs_ctx = w.whole_ctx(n_tokens)
+                can_retrieve = w.session.doc_mode == "whole"
+            w.documentFailed.emit(DocumentFailed(conv, key, failure, needs_ctx, can_retrieve))
+            return
+        w.publish_kv()
+        w.documentAdded.emit(DocumentAdded(conv, w.document_info(doc), doc.text))
+        w.documentsChanged.emit(w.documents_of(conv))
+
+    def set_pinned(self, request: SetPinned) -> None:
+        w = self.w
+        conv, key = request.conv, request.key
+        try:
+            w.check_conv(conv)
+            w.apply_settings()
+
+            def progress(done: int, total: int) -> None:
+                w.documentProgress.emit(conv, key, int(done), int(total))
+
+            w.session.set_pinned(key, request.pinned, progress=progress)
+        except Exception as exc:
+            w.documentFailed.emit(DocumentFailed(conv, key, failure_of(exc, f"pinning {key} failed")))
+        else:
+            w.documentPinned.emit(DocumentPinned(conv, key, request.pinned))
+        w.publish_kv()
+        w.documentsChanged.emit(w.documents_of(conv))
+
+    def set_doc_mode(self, request: SetDocMode) -> None:
+        """The conversation's document mode (after the current settings, e.g. a raised
+        context, are applied); the pinned documents are read as it says, with their progress."""
+        w = self.w
+        conv = request.conv
+        try:
+            w.check_conv(conv)
+            w.apply_settings()
+            keys = [d.id for d in w.session.documents if d.pinned]
+
+            def progress(done: int, total: int) -> None:
+                for key in keys:
+                    w.documentProgress.emit(conv, key, int(done), int(total))
+
+            w.session.set_doc_mode(request.mode, progress=progress, cancel=w.abort)
+            w.prepare_pinned(conv)
+        except Exception as exc:
+            w.error.emit(failure_of(exc, f"document mode {request.mode} refused"))
+        else:
+            for d in w.session.documents:
+                if d.pinned:
+                    w.documentPinned.emit(DocumentPinned(conv, d.id, True))
+        w.publish_kv()
+        w.documentsChanged.emit(w.documents_of(conv))
+
+    def set_retrieval_tokens(self, request: SetRetrievalTokens) -> None:
+        """The conversation's retrieval budget, from its next answer on (a remote server reads
+        documents whole: nothing to set)."""
+        w = self.w
+        try:
+            w.check_conv(request.conv)
+            setter = getattr(w.session, "set_retrieval_tokens", None)
+            if setter is not None:
+                setter(request.tokens)
+        except Exception as exc:
+            w.error.emit(failure_of(exc, f"retrieval budget {request.tokens} refused"))
+
+    def remove_document(self, request: RemoveDocument) -> None:
+        w = self.w
+        try:
+            w.check_conv(request.conv)
+            w.session.remove_document(request.key)
+        except Exception as exc:
+            w.error.emit(failure_of(exc, f"removing {request.key} failed"))
+        w.publish_kv()
+        w.documentsChanged.emit(w.documents_of(request.conv))
