@@ -8,7 +8,9 @@
     overflow.py         the overflow policies at the context limit (stop, rolling, attention)
     pool.py             LayerBlockPool (quantized blocks in slabs, reference counts), build_pools
     prefix.py           PrefixCache: blocks shared between sequences by chained hash, on disk too
-    config.py, formats.py   the KV precision model and the storage formats
+    config.py           KVConfig: the KV precision model (spec.py: the spec grammar; settings.py:
+                        settings mappings and files; estimate.py: the byte estimate)
+    formats.py          the storage formats
 """
 
 from .cache import FullPrecisionCache, KVCache, LayerKVCache
