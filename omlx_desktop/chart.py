@@ -16,6 +16,7 @@ little, and samples older than the window are dropped as new ones arrive.
 
 from __future__ import annotations
 
+import html
 import logging
 import math
 import time
@@ -72,6 +73,14 @@ def format_ago(seconds: float) -> str:
     sign = "-" if s > 0 else "+"
     s = abs(s)
     return f"{sign}{s // 60}:{s % 60:02d}"
+
+
+def legend_html(entries) -> str:
+    """A legend line: each (colour, stroke, name) as the coloured stroke and the name; it wraps only
+    between entries (box-drawing strokes and no-break spaces: Qt breaks after a hyphen)."""
+    return "&nbsp; ".join(
+        f"<span style='color:{color}'>{stroke}</span>&nbsp;{html.escape(name).replace(' ', '&nbsp;')}"
+        for color, stroke, name in entries)
 
 
 class BytesAxis(pg.AxisItem):
@@ -163,6 +172,12 @@ class MemoryChart(QWidget):
 
         self.summary = QLabel("RSS –  ·  KV –", self)
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        # the legend above the plot, not in it: inside, it covered the lines near the top
+        kv_names = ("KV in use (right)", "KV capacity (right)") if self.kv_axis else ("KV in use", "KV capacity")
+        self.legend = QLabel(legend_html(((RSS_COLOR, "━━", "RSS (this process)"),
+                                          (KV_COLOR, "━━", kv_names[0]),
+                                          (CAPACITY_COLOR, "╍╍", kv_names[1]))), self)
+        self.legend.setWordWrap(True)
         axes = {"left": BytesAxis("left"), "bottom": TimeAgoAxis("bottom")}
         if self.kv_axis:
             axes["right"] = BytesAxis("right")
@@ -175,7 +190,6 @@ class MemoryChart(QWidget):
         self.plot.setLabel("bottom", "time (m:ss ago)")
         self.plot.setXRange(-self.window_s, 0, padding=0)
         self.plot.setYRange(0, 2**20, padding=0)
-        self.plot.addLegend(offset=(8, 8))
         self.rss_curve = self.plot.plot(name="RSS (this process)", pen=pg.mkPen(RSS_COLOR, width=2))
         kv_pen = pg.mkPen(KV_COLOR, width=2)
         cap_pen = pg.mkPen(CAPACITY_COLOR, width=1.5, style=Qt.PenStyle.DashLine)
@@ -202,13 +216,6 @@ class MemoryChart(QWidget):
             self.capacity_curve = pg.PlotDataItem(pen=cap_pen)
             self.kv_view.addItem(self.kv_curve)
             self.kv_view.addItem(self.capacity_curve)
-            legend = item.legend
-            legend.setBrush(pg.mkBrush(255, 255, 255, 200))
-            legend.setLabelTextColor("#333333")
-            for _sample, label in legend.items:  # the RSS entry, added before
-                label.setText(label.text, color="#333333")
-            legend.addItem(self.kv_curve, "KV in use (right)")
-            legend.addItem(self.capacity_curve, "KV capacity (right)")
         else:
             self.kv_curve = self.plot.plot(
                 name="KV in use", pen=kv_pen, fillLevel=0, brush=pg.mkBrush(KV_COLOR + "40"))
@@ -217,6 +224,7 @@ class MemoryChart(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.summary)
+        layout.addWidget(self.legend)
         layout.addWidget(self.plot, 1)
 
     # -- sources

@@ -283,11 +283,10 @@ class ServePanel(QWidget):
 
 
 def install(window) -> ServePanel:
-    """Put the panel in the window's model bar (before the Open button); it follows the
-    window's model and the KV panel's setting."""
+    """Put the panel first in the model bar's row of controls (``window.model_tools``, under the
+    model's header); it follows the window's model and the KV panel's setting."""
     panel = ServePanel(window)
-    bar = window.open_button.parentWidget().layout()
-    bar.insertWidget(bar.indexOf(window.open_button), panel)
+    window.model_tools.insertWidget(0, panel)
 
     def follow(info) -> None:
         # a remote server's model (path is its URL) cannot be served from here

@@ -64,11 +64,18 @@ def setup_widgets(w: QMainWindow) -> None:
     model_bar = QFrame()
     model_bar.setObjectName("modelBar")
     model_bar.setStyleSheet("#modelBar { border-bottom: 1px solid palette(mid); }")
-    mb = QHBoxLayout(model_bar)
+    mb = QVBoxLayout(model_bar)
     mb.setContentsMargins(4, 2, 4, 6)
-    mb.addWidget(w.model_label, 1)
-    mb.addWidget(w.load_progress)
-    mb.addWidget(w.open_button)
+    mb.setSpacing(2)
+    mb.addWidget(w.model_label)
+    # the bar's controls in a row under the header, which keeps the column's whole width (beside
+    # them it wrapped into five lines in a narrow column); serve_panel.install puts its switch first
+    w.model_tools = QHBoxLayout()
+    w.model_tools.setContentsMargins(0, 0, 0, 0)
+    w.model_tools.addStretch(1)
+    w.model_tools.addWidget(w.load_progress)
+    w.model_tools.addWidget(w.open_button)
+    mb.addLayout(w.model_tools)
 
     w.banner = ErrorBanner()
     w.transcript = TranscriptView()

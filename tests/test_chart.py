@@ -213,3 +213,15 @@ def test_byte_axes_carry_no_si_scale_beside_their_unit_ticks(window):
         assert axis.autoSIPrefixScale == 1.0, name
         label = axis.labelString()
         assert "x1e" not in label and "(x" not in label, (name, label)
+
+
+def test_the_legend_is_a_line_above_the_plot_not_over_the_lines(qtbot, window):
+    w, chart = window(kv_axis=True)
+    w.resize(300, 220)
+    w.show()
+    qtbot.waitUntil(lambda: len(chart.series()[0]) >= 2, timeout=10_000)
+    assert chart.plot.getPlotItem().legend is None          # nothing drawn inside the plot
+    text = chart.legend.text()
+    for name in ("RSS (this process)", "KV in use (right)", "KV capacity (right)"):
+        assert name.replace(" ", "&nbsp;") in text
+    assert chart.legend.geometry().bottom() <= chart.plot.geometry().top()

@@ -120,6 +120,22 @@ def test_the_model_loads_and_shows_its_name_size_and_kv_per_token(window, smollm
     assert window.windowIcon().isNull() is False
 
 
+def test_in_a_narrow_window_the_model_header_keeps_the_columns_width(window):
+    """The serve switch and Open sit in a row under the header: at the window's narrowest the
+    header wraps into at most three lines, over the whole model bar's width."""
+    size = window.size()
+    try:
+        window.resize(900, 700)
+        pump(0.3)
+        label = window.model_label
+        assert window.serve_panel.isVisible() and window.model_tools.indexOf(window.serve_panel) == 0
+        assert label.width() >= label.parentWidget().width() - 20
+        assert label.height() <= 3 * label.fontMetrics().lineSpacing() + 4, label.height()
+    finally:
+        window.resize(size)
+        pump(0.1)
+
+
 def test_send_streams_the_answer_and_persists_it(window):
     answer = ask(window, "What is the capital of France?")
     assert answer["state"] == "complete" and answer["text"].strip()
