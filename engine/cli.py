@@ -641,6 +641,7 @@ def cmd_serve(args) -> int:
     path = _resolve(args.model)
     _check_fit(path, args)
     engine = Engine.load(path, kv=args.kv)
+    engine.speculate = args.speculate  # drafts in the decode batches (serve.scheduler)
     limits = ServeLimits(ctx=args.ctx or engine.model.context_length, max_batch=args.max_batch,
                          kv_tokens=args.kv_tokens, queue_timeout=args.queue_timeout,
                          prefill_chunk=args.prefill_chunk)
@@ -668,6 +669,10 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="subtracted once per occurrence from the logit of tokens already generated "
                         "(OpenAI's; 0 = off)")
     p.add_argument("--seed", type=int, default=None)
+    _add_speculate(p)
+
+
+def _add_speculate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculate", choices=SPECULATE_MODES, default="off",
                    help="lookup: draft from text already in the context (prompt lookup) and verify the "
                         "draft in one pass; greedy output is the same token for token (default off)")
@@ -926,6 +931,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens prefilled between two decode steps (default 512; smaller keeps "
                         "running streams flowing while a long prompt is read)")
+    _add_speculate(p)
     _add_kv(p, None)
     _add_force(p)
     _add_arith(p)

@@ -208,6 +208,9 @@ class VerifyLayer(LayerKVCache):
                 self.mass_after.append(self.layer.attn_mass.copy())
         return out
 
+    def blocks_needed(self, n_tokens: int) -> int:
+        return self.layer.blocks_needed(n_tokens)
+
     def roll_back_mass(self, n_kept: int) -> None:
         if self.mass_after and 0 < n_kept <= len(self.mass_after):
             self.layer.attn_mass = self.mass_after[n_kept - 1]
@@ -240,6 +243,16 @@ class VerifyBatch(KVCache):
         self.limit = cache.limit
         self._deferred: list = []
         self._n_tokens = 0
+
+    @property
+    def pools(self):
+        """The sequence's pools, so that a SequenceBatch of verify batches reserves every
+        sequence's blocks before any is stored (`SequenceBatch._reserve`)."""
+        return getattr(self.cache, "pools", None)
+
+    @property
+    def prefix_cache(self):
+        return getattr(self.cache, "prefix_cache", None)
 
     @staticmethod
     def room(cache: KVCache) -> int:

@@ -56,6 +56,8 @@ class Metrics:
         self.prompt_tokens = _Value()
         self.cached_tokens = _Value()
         self.generated_tokens = _Value()
+        self.drafted_tokens = _Value()  # speculative decoding: tokens drafted by prompt lookup
+        self.accepted_tokens = _Value()  # of those, the ones the model agreed with (kept)
         self.queue_length = _Value()
         self.queue_timeouts = _Value()
         self.running = _Value()
@@ -118,6 +120,10 @@ class Metrics:
             metric("omlx_cached_prompt_tokens_total", "counter",
                    "prompt tokens taken from the prefix cache instead of prefilled", [((), cached)])
             metric("omlx_generated_tokens_total", "counter", "tokens generated", [((), self.generated_tokens.value)])
+            metric("omlx_drafted_tokens_total", "counter", "tokens drafted by prompt lookup (--speculate lookup)",
+                   [((), self.drafted_tokens.value)])
+            metric("omlx_accepted_tokens_total", "counter", "drafted tokens the model agreed with (kept)",
+                   [((), self.accepted_tokens.value)])
             metric("omlx_prefix_cache_hit_ratio", "gauge", "cached prompt tokens / prompt tokens",
                    [((), cached / prompt if prompt else 0.0)])
             metric("omlx_queue_length", "gauge", "requests waiting for a slot or KV budget",

@@ -22,7 +22,11 @@ One turn of the loop:
     4. one decode step for every sequence past prefill: their tokens go through the model
        together (`kv.batch.DecodeBatch`: the linear layers see one row per sequence, one pass over
        the weights for up to DECODE_GROUP sequences), each samples its next token; finished
-       sequences release their blocks
+       sequences release their blocks. With prompt lookup (`speculate="lookup"`), the rows a
+       pass has left over (DECODE_GROUP less one per sequence) go to the sequences' drafts:
+       sequence i appends its token and its draft (`kv.batch.VerifyBatch`, every row equal to
+       a decode step alone) in the same pass (`kv.batch.SequenceBatch`), keeps the rows its
+       stream accepts and rolls the rest back
 
 KV budget: every pool has `max_blocks`. An admitted sequence reserves the blocks of its worst
 case, prompt + max_tokens tokens; admission needs the reservations of all running sequences
@@ -45,10 +49,11 @@ import numpy as np
 
 from ..engine import Engine
 from ..errors import ContextFull, EngineError, KVPoolFull, OmlxError
-from ..kv.batch import DecodeBatch, PrefillBatch
+from ..kv.batch import DecodeBatch, PrefillBatch, SequenceBatch, VerifyBatch
 from ..memory import release_free_heap
 from ..decoding import STOP, STOP_STRING, LogitsProcessor, TokenLogprob, TokenStream
 from ..sampling import SamplingParams
+from ..speculate import SPECULATE_MODES, PromptLookup
 from ..weights import blas_rows_independent, products_use_blas
 from .metrics import Metrics
 
@@ -183,8 +188,10 @@ class ServeLimits:
 class _Sequence:
     """An admitted job's state on the engine thread."""
 
-    def __init__(self, job: Job, cache, engine: Engine, reuse_tokens: int, reserved_blocks: int):
+    def __init__(self, job: Job, cache, engine: Engine, reuse_tokens: int, reserved_blocks: int,
+                 drafter: PromptLookup | None = None):
         self.job = job
+        self.drafter = drafter  # prompt lookup's drafts for this sequence, None without speculation
         self.cache = cache
         self.cached_tokens = reuse_tokens
         self.pending = list(job.prompt_ids[reuse_tokens:])  # prompt tokens still to prefill
@@ -210,7 +217,10 @@ class Scheduler:
 
     def __init__(self, engine: Engine, limits: ServeLimits, metrics: Metrics | None = None):
         limits.validate(engine.model.context_length)
+        if engine.speculate not in SPECULATE_MODES:
+            raise EngineError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {engine.speculate!r}")
         self.engine = engine
+        self.speculate = engine.speculate  # "lookup": drafts in the decode passes' spare rows
         self.limits = limits
         self.metrics = metrics or Metrics()
         self.kv_tokens = limits.kv_tokens or limits.max_batch * limits.ctx
@@ -364,7 +374,8 @@ class Scheduler:
             cache = self.prefix.new_sequence(limit=self.limits.ctx, overflow="stop")
             try:
                 reuse = self.prefix.attach(cache, job.prompt_ids)
-                seq = _Sequence(job, cache, self.engine, reuse.tokens, need)
+                drafter = PromptLookup(max_draft=DECODE_GROUP - 1) if self.speculate == "lookup" else None
+                seq = _Sequence(job, cache, self.engine, reuse.tokens, need, drafter)
             except Exception as exc:  # e.g. a saved prefix that cannot be read: this job only
                 cache.release()
                 self._send(job, Failed(exc))
@@ -469,15 +480,83 @@ class Scheduler:
         if not batch:
             return False
         t0 = time.perf_counter()
-        for start in range(0, len(batch), DECODE_GROUP):
-            group = batch[start : start + DECODE_GROUP]
-            tokens = np.array([s.next_token for s in group], np.int64)
-            cache = group[0].cache if len(group) == 1 else DecodeBatch([s.cache for s in group])
-            logits = self.engine.model.forward(tokens, cache, "all")  # (len(group), vocab)
-            for seq, row in zip(group, logits):
-                self._advance(seq, row)
+        drafts = self._drafts(batch)
+        if any(drafts):
+            self._verify_pass(batch, drafts)  # len(batch) < DECODE_GROUP: one pass
+        else:
+            for start in range(0, len(batch), DECODE_GROUP):
+                group = batch[start : start + DECODE_GROUP]
+                tokens = np.array([s.next_token for s in group], np.int64)
+                cache = group[0].cache if len(group) == 1 else DecodeBatch([s.cache for s in group])
+                logits = self.engine.model.forward(tokens, cache, "all")  # (len(group), vocab)
+                for seq, row in zip(group, logits):
+                    self._advance(seq, row)
         self.metrics.observe_step(len(batch), time.perf_counter() - t0)
         return True
+
+    def _drafts(self, batch: list[_Sequence]) -> list[list[int]]:
+        """Each sequence's draft for this step ([] for none). The pass's rows beyond one per
+        sequence (DECODE_GROUP in all: what the linear layers compute row-exactly) are handed out
+        in the batch's order; a full batch drafts nothing."""
+        spare = DECODE_GROUP - len(batch)
+        drafts: list[list[int]] = []
+        limit = min(self.limits.ctx, self.engine.model.context_length)
+        for seq in batch:
+            draft: list[int] = []
+            if seq.drafter is not None and spare > 0:
+                room = Engine._draft_room(seq.cache, limit, seq.stream.max_tokens - seq.stream.n_generated - 1)
+                if min(room, spare) > 0:
+                    draft = seq.drafter.draft(seq.stream.history, min(room, spare))
+            spare -= len(draft)
+            drafts.append(draft)
+        return drafts
+
+    def _verify_pass(self, batch: list[_Sequence], drafts: list[list[int]]) -> None:
+        """One forward pass of every sequence's token and draft: (1 + len(draft_i)) rows each,
+        sequence by sequence; a sequence without a draft is a plain decode row."""
+        caches = [VerifyBatch(s.cache) if d else s.cache for s, d in zip(batch, drafts)]
+        counts = [1 + len(d) for d in drafts]
+        tokens = np.array([t for s, d in zip(batch, drafts) for t in (s.next_token, *d)], np.int64)
+        cache = caches[0] if len(batch) == 1 else SequenceBatch(caches, counts)
+        rows = self.engine.model.forward(tokens, cache, "all")  # (sum(counts), vocab)
+        start = 0
+        for seq, verify, draft, n in zip(batch, caches, drafts, counts):
+            if draft:
+                self._advance_draft(seq, verify, rows[start : start + n], draft)
+            else:
+                self._advance(seq, rows[start])
+            start += n
+
+    def _advance_draft(self, seq: _Sequence, verify: VerifyBatch, rows: np.ndarray, draft: list[int]) -> None:
+        """`_advance` for a verified draft: rows (len(draft) + 1, vocab). The stream takes the
+        tokens the acceptance rule keeps, the cache keeps the rows of the draft tokens the stream
+        went on after (the rest rolled back), each token is sent."""
+        seq.next_token = None
+        if seq.job.cancelled.is_set():
+            verify.finish(len(draft))
+            self._finish(seq, "cancelled")
+            return
+        steps = seq.stream.verify(rows, draft)
+        verify.finish(len(draft) - (len(steps) - 1))
+        agreed = 0
+        while agreed < len(steps) - 1 and steps[agreed].token == draft[agreed]:
+            agreed += 1
+        seq.drafter.update(len(draft), agreed)
+        self.metrics.drafted_tokens.inc(len(draft))
+        self.metrics.accepted_tokens.inc(agreed)
+        for step in steps:
+            if step.finish_reason == STOP:
+                self._finish(seq, STOP)
+                return
+            self.metrics.generated_tokens.inc()
+            self._send(seq.job, Token(step.token, step.text, step.logprob))
+            if step.finish_reason is not None:
+                self._finish(seq, step.finish_reason)
+                return
+        if seq.cache.offset + 1 >= min(self.limits.ctx, self.engine.model.context_length):
+            self._finish(seq, "length")
+        else:
+            seq.next_token = steps[-1].token
 
     def _advance(self, seq: _Sequence, logits: np.ndarray) -> None:
         """Push `logits` through the sequence's token stream and send the token, or finish."""
