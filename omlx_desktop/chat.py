@@ -70,6 +70,8 @@ def stats_text(stats: dict) -> str:
         + (f" ({stats['kv_spec'].upper()})" if stats.get("kv_spec") else ""),
         f"peak RSS {format_bytes(stats.get('peak_rss_bytes', 0))}",
     ]
+    if stats.get("drafted_tokens"):  # prompt lookup drafted: how much of it the model kept
+        parts.insert(2, f"drafted {stats['drafted_tokens']}, accepted {stats.get('accepted_tokens', 0)}")
     reason = stats.get("finish_reason")
     if reason == "cancelled":
         parts.append("stopped")

@@ -165,6 +165,14 @@ class SetArith:
 
 
 @dataclass(frozen=True)
+class SetSpeculate:
+    """Speculative decoding for the loaded model's answers and every model loaded after it
+    ("off" or "lookup": drafts from the context, engine.speculate.SPECULATE_MODES)."""
+
+    mode: str
+
+
+@dataclass(frozen=True)
 class MeasureArithCost:
     """Measure what the fast arithmetic costs the loaded model: mean KL of its next-token
     distributions against exact arithmetic's (both with 16-bit KV) over ``n_tokens`` of the

@@ -39,7 +39,7 @@ from .conversations import ConversationsController
 from .documents import DocumentsController
 from .hub_dialog import HubDialog
 from .model_controller import ModelController, model_text
-from .protocol import Configure, Failure, Shutdown
+from .protocol import Configure, Failure, SetSpeculate, Shutdown
 from .remote_dialog import RemoteDialog
 from .serve_panel import install as install_serve_panel
 from .smoke import SmokeTestDriver
@@ -106,6 +106,7 @@ class MainWindow(QMainWindow):
         except Exception:  # a damaged setting must not keep the app from starting
             log.exception("ignoring the saved KV settings %r", panel_state)
         self.request(Configure.from_panel(self.kv_panel.settings()))
+        self.request(SetSpeculate("lookup" if self.speculate_action.isChecked() else "off"))
         self.arith = ArithController(self)          # sends the restored choice before the model loads
         self.kv_panel.settingsChanged.connect(self.models.on_kv_settings_changed)
         self.kv_panel.importFailed.connect(
@@ -159,6 +160,11 @@ class MainWindow(QMainWindow):
         self.stop_action = action(chat_menu, "&Stop", self.stop_generation, Qt.Key.Key_Escape)
         self.regenerate_action = action(chat_menu, "&Regenerate", self.regenerate, "Ctrl+R")
         self.copy_action = action(chat_menu, "&Copy last answer", self.copy_last_answer, "Ctrl+Shift+C")
+        # prompt lookup (engine.speculate): a setting kept in the Store, sent to the worker at
+        # start (before the model loads) and on every change
+        self.speculate_action = action(chat_menu, "Draft from the &context (prompt lookup)", self.set_speculate)
+        self.speculate_action.setCheckable(True)
+        self.speculate_action.setChecked(self.store.get_setting("speculate", "off") == "lookup")
         chat_menu.addSeparator()
         action(chat_menu, "Re&name chat", self.conversations.rename_current, "F2")
         action(chat_menu, "&Delete chat", lambda: self.delete_conversation(self.conv_id))
@@ -226,6 +232,13 @@ class MainWindow(QMainWindow):
 
     def stop_generation(self) -> None:
         self.chat.stop()
+
+    def set_speculate(self, on: bool) -> None:
+        """The Chat menu's prompt-lookup switch: kept for the next start and applied from the
+        next answer on."""
+        mode = "lookup" if on else "off"
+        self.store.set_setting("speculate", mode)
+        self.request(SetSpeculate(mode))
 
     def copy_last_answer(self) -> str | None:
         return self.chat.copy_last_answer()

@@ -37,7 +37,7 @@ from .protocol import (
     AddDocument, ArithApplied, Configure, ConnectRemote, DocumentFailed, DocumentInfo, DocumentsChanged, Failure,
     FetchModel, FitCheck, KVApplied, ListRemoteModels, LoadModel, MeasureArithCost, MeasureKVProfile, ModelInfo,
     OpenConversation, RemoteModels, RemoveDocument, SendMessage, SetArith, SetDocMode, SetPinned,
-    SetRetrievalTokens, Shutdown, TurnFailed, TurnFinished,
+    SetRetrievalTokens, SetSpeculate, Shutdown, TurnFailed, TurnFinished,
 )
 from .worker_documents import DocumentRequests
 from .worker_host import failure_of, log
@@ -166,6 +166,7 @@ class EngineWorker(QObject):
         self.spec: str | None = None            # wanted KV spec (None: the default preset)
         self.ctx: int | None = None
         self.overflow = "rolling"
+        self.speculate = "off"                  # wanted speculative decoding (SetSpeculate)
         # Set by the window when it closes (from the UI thread: an Event is safe to share):
         # prefills stop at their next chunk and queued requests are skipped.
         self.abort = threading.Event()
@@ -180,7 +181,7 @@ class EngineWorker(QObject):
             MeasureKVProfile: self.tuning.measure_kv_profile, SetArith: self.tuning.set_arith,
             MeasureArithCost: self.tuning.measure_arith_cost,
             ListRemoteModels: self.list_remote_models, ConnectRemote: self.connect_remote,
-            Shutdown: self.shutdown,
+            Shutdown: self.shutdown, SetSpeculate: self.set_speculate,
         }
 
     @Slot(object)
@@ -259,6 +260,7 @@ class EngineWorker(QObject):
                     estimate.total_bytes, estimate.available_bytes))
                 return
             engine = Engine.load(path, progress=lambda s, f: self.loadProgress.emit(s, float(f)))
+            engine.speculate = self.speculate
             if self.spec:
                 try:
                     engine.set_kv(self.spec)
@@ -550,6 +552,17 @@ class EngineWorker(QObject):
         stats["retrieved"] = list(getattr(gen, "retrieved", []))  # sections the answer was shown
         self.turnFinished.emit(TurnFinished(rid, result.text, result.finish_reason, stats))
         self.documentsChanged.emit(self.documents_of(self.conv))
+
+    def set_speculate(self, request: SetSpeculate) -> None:
+        """Prompt lookup on or off for the loaded model's next answers and every later model
+        (greedy answers are the same token for token; the stats count drafted and kept tokens)."""
+        from engine.speculate import SPECULATE_MODES
+
+        if request.mode not in SPECULATE_MODES:
+            raise ValueError(f"speculate must be one of {SPECULATE_MODES}, not {request.mode!r}")
+        self.speculate = request.mode
+        if self.engine is not None:
+            self.engine.speculate = request.mode
 
     def _prefill_reporter(self, rid: int):
         def report(done: int, total: int) -> None:
