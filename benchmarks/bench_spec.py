@@ -7,7 +7,7 @@ answers:  SmolLM2, the Apache licence pinned as a document (whole), questions wh
           it and a summarise-this request, each answered greedily with `--speculate off` and
           `lookup` in alternating order, round by round (load from other processes on this shared
           machine hits both alike). Per prompt: decode tok/s medians, drafted / accepted tokens,
-          the ratio to off in the same run, and whether the tokens are identical (they must be).
+          the ratio to off in the same run, and in how many rounds lookup's tokens equal off's.
 overhead: what a fully rejected draft costs: one verify pass of 1 + k rows (k drafted tokens
           that are all wrong, rolled back) against one plain decode step on the same cache, medians
           of alternating timings at 680 tokens of context. The issue's bar: <= 10% more than a
@@ -68,7 +68,7 @@ def answers(model: str, kv: str | None, rounds: int, max_tokens: int) -> None:
         # measured answer starts from the same cached prefix
         session.ask(question, max_tokens=max_tokens).result
     speed = {(p, m): [] for p, _ in PROMPTS for m in modes}
-    counts, tokens = {}, {}
+    counts, tokens, same = {}, {}, {p: 0 for p, _ in PROMPTS}
     for r in range(rounds):
         for name, question in PROMPTS:
             for mode in (modes if r % 2 == 0 else modes[::-1]):  # who goes first alternates
@@ -78,18 +78,21 @@ def answers(model: str, kv: str | None, rounds: int, max_tokens: int) -> None:
                 speed[name, mode].append(s.decode_tok_s)
                 counts[name, mode] = (s.drafted_tokens, s.accepted_tokens)
                 tokens.setdefault((name, mode), result.ids)
-                if result.ids != tokens[name, mode]:  # never seen once the prefix is warm
+                if result.ids != tokens[name, mode]:
+                    # seen with off alone too: repeated answers in one Session drift after a few
+                    # dozen tokens (not speculation's doing); the check that counts is per round
                     print(f"  !! {name} {mode}: round {r} answered differently from round 0")
+                tokens[name, mode, r] = result.ids
+            same[name] += tokens[name, "off", r] == tokens[name, "lookup", r]
     print(f"{'prompt':24s} {'tokens':>6s} {'off tok/s':>10s} {'lookup tok/s':>13s} {'ratio':>6s} "
-          f"{'drafted':>8s} {'accepted':>8s}  identical")
+          f"{'drafted':>8s} {'accepted':>8s}  identical (rounds)")
     ratios = []
     for name, _ in PROMPTS:
         off, on = statistics.median(speed[name, "off"]), statistics.median(speed[name, "lookup"])
         drafted, accepted = counts[name, "lookup"]
-        same = tokens[name, "off"] == tokens[name, "lookup"]
         ratios.append(on / off)
         print(f"{name:24s} {len(tokens[name, 'off']):6d} {off:10.1f} {on:13.1f} {on / off:5.2f}x "
-              f"{drafted:8d} {accepted:8d}  {'yes' if same else 'NO'}")
+              f"{drafted:8d} {accepted:8d}  {same[name]}/{rounds}")
         print(f"{'':24s} off {' '.join(f'{x:.0f}' for x in speed[name, 'off'])}; "
               f"lookup {' '.join(f'{x:.0f}' for x in speed[name, 'lookup'])}")
     print(f"median ratio {statistics.median(ratios):.2f}x (the issue's bar: 1.6x)")
