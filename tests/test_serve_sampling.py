@@ -24,7 +24,8 @@ REPEAT_PROMPT = "the cat sat"
 def complete(c, **kw):
     kw.setdefault("temperature", 0)
     kw.setdefault("max_tokens", 24)
-    return c.completions.create(model="m", prompt=REPEAT_PROMPT, **kw)
+    kw.setdefault("prompt", REPEAT_PROMPT)
+    return c.completions.create(model="m", **kw)
 
 
 def test_zero_penalties_are_no_penalty_bit_for_bit(tiny):
@@ -210,3 +211,30 @@ def test_smollm2_logprobs_equal_the_engines_log_probabilities_of_the_same_tokens
     assert np.abs(np.array([[x.logprob for x in e.top_logprobs] for e in content]) - top).max() < 1e-4
     token_lp, _, _ = teacher_forced(engine, prompt_ids, ids)
     assert np.abs(served - token_lp).max() < 5e-3
+
+
+# -- n > 1 --------------------------------------------------------------------------------------
+def test_n_choices_greedy_equal_the_single_answer_and_seeded_ones_differ_and_repeat(tiny):
+    """n choices are n sequences from the one prompt: greedy, each is the n=1 answer; sampled with
+    a seed, choice i uses seed + i (they differ, and the same request gives the same choices);
+    usage counts the prompt once and every choice's tokens; a later choice finds the prompt's
+    blocks in the prefix cache (cached tokens counted in the server's metrics)."""
+    c = client(tiny)
+    one = chat(c, "a chat turn", max_tokens=12)
+    three = chat(c, "a chat turn", max_tokens=12, n=3)
+    assert [ch.index for ch in three.choices] == [0, 1, 2]
+    assert {ch.message.content for ch in three.choices} == {one.choices[0].message.content}
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert three.usage.total_tokens == three.usage.prompt_tokens + three.usage.completion_tokens
+    def sampled(n, seed):  # a prompt the tiny model is unsure after (most repeat one token)
+        return [ch.text for ch in complete(c, prompt="0 1 2 3 4 5", max_tokens=8, n=n, temperature=1.5,
+                                           seed=seed).choices]
+
+    texts = sampled(4, 11)
+    assert len(set(texts)) > 1  # seeds 11..14
+    assert sampled(4, 11) == texts
+    assert sampled(1, 12) == texts[1:2]
+    # logprobs per choice
+    lp = complete(c, n=2, logprobs=2, max_tokens=6)
+    assert all(len(ch.logprobs.token_logprobs) == 6 for ch in lp.choices)

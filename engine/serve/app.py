@@ -11,6 +11,7 @@ only for an engine failure that is not the request's fault).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -336,35 +337,93 @@ class OpenAIServer:
             return self._error(kind, err)
 
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def sink(event) -> None:  # the engine thread
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        parser = None
-        if kind != "completions" and req.tools and req.tool_choice.mode != "none":
-            parser = tools.ToolParser(self.tool_family, {t["function"]["name"] for t in req.tools},
-                                      prefill=req.tool_prefill, id_prefix="toolu_" if kind == "messages" else "call_")
         if kind == "messages":
             job_id = new_message_id()
-            view = MessagesView(job_id, self.model_id, len(prompt_ids), parser)
         else:
             job_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-            view = OpenAIView(kind, job_id, self.model_id, req.include_usage, self.engine.tokenizer, req.logprobs,
-                              parser)
-        processors = ()
-        grammar = getattr(req, "tool_grammar", None) or getattr(req, "grammar", None)
-        if grammar:  # a required / named call, or response_format
-            processors = (JsonConstraint(self.engine.tokenizer, None, len(prompt_ids), grammar=grammar),)
-        job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=req.sampling, sink=sink,
-                  stop=req.stop, id=job_id, logprobs=req.logprobs, processors=processors)
+
+        def choice(index: int):
+            """Choice `index`'s job, its event queue and its view (each choice is a sequence of its
+            own; with a seed, choice i samples with seed + i, so that they differ and repeat)."""
+            events: asyncio.Queue = asyncio.Queue()
+
+            def sink(event) -> None:  # the engine thread
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+            parser = None
+            if kind != "completions" and req.tools and req.tool_choice.mode != "none":
+                parser = tools.ToolParser(self.tool_family, {t["function"]["name"] for t in req.tools},
+                                          prefill=req.tool_prefill, id_prefix="toolu_" if kind == "messages" else "call_")
+            if kind == "messages":
+                view = MessagesView(job_id, self.model_id, len(prompt_ids), parser)
+            else:
+                view = OpenAIView(kind, job_id, self.model_id, req.include_usage, self.engine.tokenizer, req.logprobs,
+                                  parser)
+            processors = ()
+            grammar = getattr(req, "tool_grammar", None) or getattr(req, "grammar", None)
+            if grammar:  # a required / named call, or response_format
+                processors = (JsonConstraint(self.engine.tokenizer, None, len(prompt_ids), grammar=grammar),)
+            sampling = req.sampling
+            if index and sampling.seed is not None:
+                sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
+            job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, sink=sink,
+                      stop=req.stop, id=job_id if req.n == 1 else f"{job_id}-{index}", logprobs=req.logprobs,
+                      processors=processors)
+            return job, events, view
+
+        choices = [choice(i) for i in range(getattr(req, "n", 1))]
+        submitted = []
         try:
-            self.scheduler.submit(job)
+            for job, _, _ in choices:
+                self.scheduler.submit(job)
+                submitted.append(job)
         except OmlxError as exc:
+            for job in submitted:
+                self.scheduler.cancel(job)
             return self._error(kind, ApiError(503, exc.user_message, type="server_error", code="unavailable"))
+        if len(choices) > 1:
+            return await self._complete_choices(request, kind, choices)
+        job, events, view = choices[0]
         if req.stream:
             return await self._stream(request, kind, job, events, view)
         return await self._complete(request, kind, job, events, view)
+
+    async def _complete_choices(self, request: Request, kind: str, choices) -> Response:
+        """`n` > 1: every choice's whole answer in one response, choice i at index i; usage counts
+        the prompt once and every choice's completion tokens (OpenAI's)."""
+        answers = []
+        try:
+            for n, (job, events, view) in enumerate(choices):
+                pieces, tokens = [], []
+                while True:
+                    event = await self._next_event(request, job, events)
+                    if event is None:  # the client went away: the other choices go too
+                        for other, _, _ in choices[n + 1 :]:
+                            self.scheduler.cancel(other)
+                        self.metrics.request(kind, 499)
+                        return Response(status_code=499)
+                    if isinstance(event, Token):
+                        pieces.append(event.text)
+                        tokens.append(event)
+                    elif isinstance(event, Failed):
+                        for other, _, _ in choices[n + 1 :]:
+                            self.scheduler.cancel(other)
+                        return self._error(kind, self._failure(event.error))
+                    elif isinstance(event, Finished):
+                        pieces.append(event.text)
+                        break
+                answers.append(view.whole("".join(pieces), event, tokens))
+        except asyncio.CancelledError:
+            for job, _, _ in choices:
+                self.scheduler.cancel(job)
+            raise
+        body = answers[0]
+        body["choices"] = [dict(a["choices"][0], index=i) for i, a in enumerate(answers)]
+        completion = sum(a["usage"]["completion_tokens"] for a in answers)
+        body["usage"] = dict(body["usage"], completion_tokens=completion,
+                             total_tokens=body["usage"]["prompt_tokens"] + completion)
+        self.metrics.request(kind, 200)
+        return JSONResponse(body)
 
     def _failure(self, exc: BaseException) -> ApiError:
         if isinstance(exc, QueueTimeout):

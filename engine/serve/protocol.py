@@ -26,6 +26,7 @@ from ..sampling import SamplingParams
 from .tools import ToolChoice, ToolParser, split_events
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_CHOICES = 8  # `n`: choices per request (each is a sequence of its own in the batch)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (we allow it for completions' logprobs too)
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -inf)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -65,6 +66,7 @@ class GenerationRequest:
     tool_prefill: str = ""  # the start of a call the answer is pre-filled with (tools.prepare)
     tool_grammar: str | None = None  # required / named tool_choice: the call's grammar (tools.prepare)
     grammar: str | None = None  # response_format's JSON grammar (constrain.json_grammar); None: free text
+    n: int = 1  # choices: n sequences from the one prompt (its KV blocks shared through the prefix cache)
 
 
 @dataclass
@@ -138,8 +140,8 @@ def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
     if n is not None:
         if not _is_int(n):
             raise bad(f"'n' must be an integer, not {type(n).__name__}", "n", "invalid_type")
-        if n != 1:
-            raise bad("only n=1 is supported", "n", "unsupported_value")
+        if not 1 <= n <= MAX_CHOICES:
+            raise bad(f"'n' must be between 1 and {MAX_CHOICES}, not {n}", "n")
     temperature = _number(body, "temperature", 0.0, 2.0, 1.0)
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
@@ -166,6 +168,9 @@ def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
     if any(s == "" for s in stops):
         raise bad("stop strings must not be empty", "stop")
     stream = stream_flag(body)
+    if stream and (n or 1) > 1:
+        raise bad("n > 1 is answered whole, not streamed: send stream=false, or one request per choice",
+                  "n", "unsupported_value")
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
@@ -185,7 +190,7 @@ def _common(body: dict, served_ids: tuple[str, ...]) -> GenerationRequest:
     except ValueError as exc:
         raise bad(str(exc), str(exc).split()[0]) from None
     return GenerationRequest(model, max_tokens, sampling, stops, stream, include_usage,
-                             grammar=response_grammar(body.get("response_format")))
+                             grammar=response_grammar(body.get("response_format")), n=n or 1)
 
 
 def response_grammar(fmt) -> str | None:
