@@ -15,7 +15,7 @@ import pytest
 from engine import cli
 from engine.engine import Engine
 from engine.sampling import SamplingParams, log_softmax
-from .test_serve import PROMPTS, chat, client, smol, start, tiny, tiny_path  # noqa: F401 (fixtures)
+from .test_serve import PROMPTS, chat, client, metric, smol, start, tiny, tiny_path  # noqa: F401 (fixtures)
 
 # the tiny random model answers this by repeating one token ("tttt..."): a penalty has work to do
 REPEAT_PROMPT = "the cat sat"
@@ -238,3 +238,9 @@ def test_n_choices_greedy_equal_the_single_answer_and_seeded_ones_differ_and_rep
     # logprobs per choice
     lp = complete(c, n=2, logprobs=2, max_tokens=6)
     assert all(len(ch.logprobs.token_logprobs) == 6 for ch in lp.choices)
+    # the prompt read once: choices 1 and 2 take its full blocks (of 32 tokens) from the prefix cache
+    long_prompt = list(range(100, 200))  # token ids: 100 tokens, 3 full blocks
+    before = metric(tiny, "omlx_cached_prompt_tokens_total")
+    long = complete(c, prompt=long_prompt, n=3, max_tokens=4)
+    assert len({ch.text for ch in long.choices}) == 1
+    assert metric(tiny, "omlx_cached_prompt_tokens_total") - before >= 2 * 96

@@ -372,31 +372,51 @@ class OpenAIServer:
             return job, events, view
 
         choices = [choice(i) for i in range(getattr(req, "n", 1))]
-        submitted = []
-        try:
-            for job, _, _ in choices:
-                self.scheduler.submit(job)
-                submitted.append(job)
+        job, events, view = choices[0]
+        try:  # n > 1: the other choices go in once the first has prefilled (_complete_choices)
+            self.scheduler.submit(job)
         except OmlxError as exc:
-            for job in submitted:
-                self.scheduler.cancel(job)
             return self._error(kind, ApiError(503, exc.user_message, type="server_error", code="unavailable"))
         if len(choices) > 1:
             return await self._complete_choices(request, kind, choices)
-        job, events, view = choices[0]
         if req.stream:
             return await self._stream(request, kind, job, events, view)
         return await self._complete(request, kind, job, events, view)
 
     async def _complete_choices(self, request: Request, kind: str, choices) -> Response:
         """`n` > 1: every choice's whole answer in one response, choice i at index i; usage counts
-        the prompt once and every choice's completion tokens (OpenAI's)."""
+        the prompt once and every choice's completion tokens (OpenAI's). The first choice is
+        submitted alone; the others when its prefill is done (its first event), so that the
+        prompt's full KV blocks are in the prefix cache and every other choice prefills only the
+        last, partial block: the prompt is read once, not n times."""
         answers = []
+        job0, events0, _ = choices[0]
+        early: list = []  # the first choice's events up to its first token (Started comes at admission)
+        while not early or isinstance(early[-1], Started):
+            event = await self._next_event(request, job0, events0)
+            if event is None:
+                self.metrics.request(kind, 499)
+                return Response(status_code=499)
+            if isinstance(event, Failed):
+                return self._error(kind, self._failure(event.error))
+            early.append(event)
+        submitted = 1
+        try:
+            for job, _, _ in choices[1:]:
+                self.scheduler.submit(job)
+                submitted += 1
+        except OmlxError as exc:
+            for job, _, _ in choices[:submitted]:
+                self.scheduler.cancel(job)
+            return self._error(kind, ApiError(503, exc.user_message, type="server_error", code="unavailable"))
         try:
             for n, (job, events, view) in enumerate(choices):
                 pieces, tokens = [], []
                 while True:
-                    event = await self._next_event(request, job, events)
+                    if n == 0 and early:
+                        event = early.pop(0)
+                    else:
+                        event = await self._next_event(request, job, events)
                     if event is None:  # the client went away: the other choices go too
                         for other, _, _ in choices[n + 1 :]:
                             self.scheduler.cancel(other)
