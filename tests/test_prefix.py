@@ -182,6 +182,57 @@ def test_disk_budget_removes_least_recently_used(tiny, tmp_path):
     assert not paths[0].exists() and paths[1].exists()  # the newest stays even over budget
 
 
+FULL_DISK_SCRIPT = """
+import logging, os, resource, signal, sys
+import numpy as np
+from pathlib import Path
+from engine.gguf_file import GGUFFile
+from engine.kv.config import parse_kv
+from engine.kv.prefix import PrefixCache, PrefixDiskStore
+from engine.models import load_model
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
+model = load_model(GGUFFile(sys.argv[1]))
+folder = Path(sys.argv[2])
+ids = np.random.default_rng(8).integers(3, 200, size=70).tolist()
+cache = PrefixCache(model, parse_kv("k8v8,bs=8"), model_id="m", capacity_tokens=512, disk=PrefixDiskStore(folder))
+seq = cache.new_sequence()
+for s in range(0, len(ids), 16):
+    model.forward(np.asarray(ids[s : s + 16]), seq, "all")
+# the disk "fills up": writes past 4 KiB fail with EFBIG (the signal would kill the process)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+print("saved:", cache.save(list(seq.chain_keys)))
+print("left:", sorted(p.name for p in folder.glob("*")))
+again = cache.new_sequence()
+print("reused:", cache.attach(again, ids).tokens)  # the blocks are still in memory
+again.release()
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space again: the same save goes through
+print("saved again:", cache.save(list(seq.chain_keys)) is not None)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RLIMIT_FSIZE"), reason="no file size limit here")
+def test_a_full_disk_during_a_prefix_save_loses_nothing_and_leaves_no_partial_file(tiny, tmp_path):
+    """The save fails with a warning (EFBIG under RLIMIT_FSIZE: a real write error, in a process of
+    its own), no temporary file is left behind, the prefix is still reused from memory, and the
+    next save succeeds once there is room."""
+    import subprocess
+    import sys
+
+    arch = "gemma3" if len(tiny.layers) == 6 else "llama"
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_layers=len(tiny.layers))
+    folder = tmp_path / "prefixes"
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(path), str(folder)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "saved: None" in out and "cannot save the cached prefix" in out, out
+    assert "left: []" in out, out  # no partial .tmp file
+    assert "reused: 64" in out and "saved again: True" in out, out
+    assert len(list(folder.glob("*.tmp"))) == 0 and len(list(folder.glob("*"))) == 1
+
+
 # -- dropping tokens -------------------------------------------------------------------------
 def test_rerotation_moves_keys_to_their_new_position(tiny):
     rng = np.random.default_rng(0)

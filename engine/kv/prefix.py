@@ -446,14 +446,18 @@ class PrefixDiskStore:
             "sink_v_dim": int(sinks[0][1].shape[-1]) if sinks else 0,
             "payload_bytes": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest(),
         }).encode()
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
             with open(tmp, "wb") as f:
                 f.write(_MAGIC + struct.pack("<II", FORMAT_VERSION, len(header)) + header + payload)
             tmp.replace(path)
-        except OSError as exc:
+        except OSError as exc:  # a full disk, a size limit, no permission: the prefix stays in memory
             log.warning("cannot save the cached prefix to %s: %s", path, exc)
+            try:  # a partial file would hold the space a full disk needs
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
             return None
         log.info("saved %d cached tokens to %s (%.1f MiB)", len(keys) * cache.B, path,
                  path.stat().st_size / 2**20)
