@@ -233,6 +233,30 @@ def test_a_full_disk_during_a_prefix_save_loses_nothing_and_leaves_no_partial_fi
     assert len(list(folder.glob("*.tmp"))) == 0 and len(list(folder.glob("*"))) == 1
 
 
+def test_a_killed_saves_partial_file_is_swept_and_a_live_ones_kept(tiny, tmp_path):
+    import subprocess
+    import sys
+
+    disk = PrefixDiskStore(tmp_path / "prefixes")
+    disk.directory.mkdir(parents=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a pid that has exited
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead_tmp = disk.directory / f"{'ab' * 32}.kvprefix.{gone}.tmp"
+        live_tmp = disk.directory / f"{'cd' * 32}.kvprefix.{live.pid}.tmp"
+        dead_tmp.write_bytes(b"partial")
+        live_tmp.write_bytes(b"being written")
+        cache = make_cache(tiny, disk=disk)
+        seq = cache.new_sequence()
+        prefill(tiny, seq, tokens(24, seed=12))
+        assert cache.save(list(seq.chain_keys)) is not None  # the first save sweeps
+        assert not dead_tmp.exists() and live_tmp.exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
 # -- dropping tokens -------------------------------------------------------------------------
 def test_rerotation_moves_keys_to_their_new_position(tiny):
     rng = np.random.default_rng(0)

@@ -396,6 +396,16 @@ class PrefixFileError(Exception):
     """A saved prefix that cannot be trusted."""
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's process: alive
+    return True
+
+
 class PrefixDiskStore:
     """Saved prefixes, one file per chain, named by the chain's last key.
 
@@ -414,12 +424,35 @@ class PrefixDiskStore:
     def __init__(self, directory: str | os.PathLike | None = None, budget_bytes: int = DEFAULT_DISK_BUDGET):
         self.directory = Path(directory) if directory is not None else cache_dir() / "prefixes"
         self.budget_bytes = budget_bytes
+        self._swept = False
+
+    def sweep_stale(self) -> int:
+        """Remove the temporary files of saves whose process is gone (killed mid-write: the name
+        carries its pid); returns how many. A live process's file is left alone."""
+        removed = 0
+        try:
+            stale = list(self.directory.glob("*" + _SUFFIX + ".*.tmp"))
+        except OSError:
+            return 0
+        for p in stale:
+            try:
+                pid = int(p.name.rsplit(".", 2)[-2])
+            except ValueError:
+                continue
+            if pid != os.getpid() and not _process_alive(pid):
+                p.unlink(missing_ok=True)
+                removed += 1
+                log.info("removed %s, the partial save of a process that is gone", p.name)
+        return removed
 
     def path_for(self, key: bytes) -> Path:
         return self.directory / (key.hex() + _SUFFIX)
 
     # -- writing -----------------------------------------------------------------------------
     def save(self, cache: PrefixCache, keys: list[bytes]) -> Path | None:
+        if not self._swept:  # once per store: what a killed process left behind
+            self._swept = True
+            self.sweep_stale()
         path = self.path_for(keys[-1])
         if path.exists():
             os.utime(path)
