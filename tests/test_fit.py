@@ -105,7 +105,12 @@ def test_loading_a_model_that_does_not_fit_needs_force(smollm2_path):
     assert "does not fit" in forced.stderr, forced.stderr  # said, then loaded anyway
 
 
-@pytest.mark.parametrize("name, n_tokens, kv", [(SMOL, 64, "full"), (SMOL, 2048, "balanced"), ("gemma3-270m", 1024, "balanced")])
+# Six fresh processes; the quick subset keeps the smallest case, the whole suite runs all three
+@pytest.mark.parametrize("name, n_tokens, kv", [
+    (SMOL, 64, "full"),
+    pytest.param(SMOL, 2048, "balanced", marks=pytest.mark.slow),
+    pytest.param("gemma3-270m", 1024, "balanced", marks=pytest.mark.slow),
+])
 def test_estimate_within_15_percent_of_measured_peak_rss(name, n_tokens, kv, smollm2_path, gemma3_path):
     path = smollm2_path if name == SMOL else gemma3_path
     # A fresh process, so no other test's memory counts; run twice, measuring the second: the
