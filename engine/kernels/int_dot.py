@@ -120,7 +120,10 @@ def describe(isa: str, fast: bool = False) -> str:
     return {
         "avx512vnni": f"integer (AVX-512 VNNI {'vpdpbusd' if fast else 'vpdpwssd'}, {acts})",
         "avxvnni": f"integer (AVX-VNNI 256-bit {'vpdpbusd' if fast else 'vpdpwssd'}, {acts})",
-        "avx2": f"integer (AVX2 {'vpmaddubsw' if fast else 'vpmaddwd'}, {acts})",
+        # (without VNNI the 8-bit product is two multiply instructions per 32 multiply-adds, as the
+        # 16-bit one is: the fast mode measured no faster there, docs/performance.md)
+        "avx2": (f"integer (AVX2 vpmaddubsw, {acts}; no faster than exact without VNNI)" if fast
+                 else f"integer (AVX2 vpmaddwd, {acts})"),
         "float": "float32 (dequantize-and-FMA)",
     }[isa]
 
