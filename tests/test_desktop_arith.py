@@ -13,6 +13,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 
 from engine import weights  # noqa: E402
+from omlx_desktop import arith as arith_controller  # noqa: E402
 from omlx_desktop.arith import COST_SETTING, COST_TOKENS  # noqa: E402
 from omlx_desktop.window import MainWindow  # noqa: E402
 
@@ -146,7 +147,7 @@ def test_a_model_without_integer_kernels_says_why_and_still_answers(qapp, data_d
         w.close()
 
 
-def test_loading_another_model_cancels_the_measurement(qapp, data_dir, smollm2_path, tmp_path):
+def test_loading_another_model_cancels_the_measurement(qapp, data_dir, smollm2_path, tmp_path, monkeypatch):
     tiny = write_tiny_model(tmp_path / "tiny-f32.gguf")
     w = open_window(data_dir, smollm2_path)
     try:
@@ -163,6 +164,9 @@ def test_loading_another_model_cancels_the_measurement(qapp, data_dir, smollm2_p
         assert [f.kind for f in failures] == ["cancelled"] and shown == []
         assert w.store.get_setting(COST_SETTING) in (None, {})
         assert "Not available for this model" in panel.arith_note()
+        # the cancelled measurement had to be long enough to be cancelled; the next one only has
+        # to happen (its figure over COST_TOKENS: test_fast_switches_the_engine_and_its_cost_is_measured)
+        monkeypatch.setattr(arith_controller, "COST_TOKENS", 32)
         load(w, smollm2_path)
         wait_until(lambda: shown, timeout=120, what="the cost measured again")
         assert shown[0].model_id == w.model_info["model_id"] and "Fast: mean KL" in panel.arith_note()
