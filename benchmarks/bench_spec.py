@@ -13,6 +13,8 @@ overhead: what a fully rejected draft costs: one verify pass of 1 + k rows (k dr
           of alternating timings at 680 tokens of context. The issue's bar: <= 10% more than a
           step for the draft length a rejection leaves (k = 1). `--model` takes a path, e.g. the
           1B-shaped file of tools/synth_speed.py (random weights: only this part means anything).
+          Beside each pass, the same pass attending its rows one by one (the decode path per row)
+          instead of in one call (`PagedAttention.attend_rows`), alternating.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's engine, not whichever one the venv installed
 DOC = ROOT / "tests" / "data" / "texts" / "apache-2.0.txt"
 PROMPTS = [
     ("quote Contribution", 'Quote the paragraph that defines "Contribution" word for word.'),
@@ -100,7 +104,9 @@ def answers(model: str, kv: str | None, rounds: int, max_tokens: int) -> None:
 
 def overhead(model: str, kv: str | None, repeats: int, drafts=(1, 3, 7)) -> None:
     from engine.kv.batch import VerifyBatch
+    from engine.kv.paged_attention import PagedAttention
 
+    attend_rows = PagedAttention.attend_rows
     engine = _engine(model, kv)
     # 680 = 21 blocks of 32 + 8: no row of these passes fills a block (the quantization of a
     # full block is paid once per 32 tokens either way)
@@ -117,13 +123,18 @@ def overhead(model: str, kv: str | None, repeats: int, drafts=(1, 3, 7)) -> None
         cache.trim(1)
         return dt
 
-    def verify(k: int) -> float:
+    def verify(k: int, one_call: bool = True) -> float:
         draft = [int(t) for t in rng.integers(0, vocab, k)]
-        t0 = time.perf_counter()
-        batch = VerifyBatch(cache)
-        engine.model.forward([token, *draft], batch, "all")
-        batch.finish(k)  # all rejected: the cache keeps only the token's own row
-        dt = time.perf_counter() - t0
+        # row by row: what a verify pass did before PagedAttention.attend_rows (the comparison)
+        PagedAttention.attend_rows = attend_rows if one_call else (lambda *args, **kwargs: None)
+        try:
+            t0 = time.perf_counter()
+            batch = VerifyBatch(cache)
+            engine.model.forward([token, *draft], batch, "all")
+            batch.finish(k)  # all rejected: the cache keeps only the token's own row
+            dt = time.perf_counter() - t0
+        finally:
+            PagedAttention.attend_rows = attend_rows
         cache.trim(1)
         return dt
 
@@ -131,19 +142,21 @@ def overhead(model: str, kv: str | None, repeats: int, drafts=(1, 3, 7)) -> None
         step()
         for k in drafts:
             verify(k)
-    times = {"step": []} | {k: [] for k in drafts}
+            verify(k, False)
+    times = {"step": []} | {(k, one): [] for k in drafts for one in (True, False)}
     for _ in range(repeats):
         times["step"].append(step())
         for k in drafts:
-            times[k].append(verify(k))
+            for one in (True, False):
+                times[k, one].append(verify(k, one))
     base = statistics.median(times["step"])
     print(f"== overhead: {engine.name}, context {cache.offset}, kv {engine.kv_config}, arith {engine.arith}, "
           f"medians of {repeats}, commit {_commit()}")
     print(f"plain step {base * 1e3:.2f} ms")
     for k in drafts:
-        t = statistics.median(times[k])
+        t, rows = statistics.median(times[k, True]), statistics.median(times[k, False])
         print(f"fully rejected draft of {k}: verify pass of {k + 1} rows {t * 1e3:.2f} ms = {t / base:.2f}x a step "
-              f"({t / base - 1:+.0%})")
+              f"({t / base - 1:+.0%}); attending row by row {rows * 1e3:.2f} ms = {rows / base:.2f}x")
 
 
 def main() -> None:

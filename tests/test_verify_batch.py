@@ -71,6 +71,47 @@ def test_every_verified_row_equals_the_token_decoded_alone(engine):
     _assert_same_cache(together, alone)
 
 
+@pytest.mark.parametrize("n_draft", [2, 4, 7])
+def test_rows_inside_one_block_attend_in_one_call_and_equal_decoding_alone(engine, n_draft):
+    """A draft that fills no block attends all its rows in one compiled call
+    (`PagedAttention.attend_rows`); each row still equals its decode step alone, bit for bit."""
+    from engine.kernels import background
+    from engine.kv.paged_attention import PagedAttention
+
+    background.wait(timeout=600)  # the compiled paths, not the numpy reference
+    ids = engine.encode_prompt(PROMPT + " " + PROMPT)
+    B = parse_kv("k6v4").block_size
+    ids = ids[: len(ids) - (len(ids) % B) + 1]  # one token into a block: the rows fit in it
+    draft = engine.encode_prompt(DRAFT_TEXT)[:n_draft]
+    alone, _ = _prefilled(engine, ids, "k6v4", None)
+    rows = [engine.model.forward([t], alone, "last")[0] for t in draft]
+    together, _ = _prefilled(engine, ids, "k6v4", None)
+    calls = []
+    original = PagedAttention.attend_rows
+
+    def counted(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    PagedAttention.attend_rows = counted
+    try:
+        batch = VerifyBatch(together)
+        out = engine.model.forward(draft, batch, "all")
+    finally:
+        PagedAttention.attend_rows = original
+    batch.finish(0)
+    assert calls and all(calls)  # every layer took the one-call path
+    for i, row in enumerate(rows):
+        assert np.array_equal(out[i], row), i
+    _assert_same_cache(together, alone)
+    # and rolled back after it, as if never held
+    batch = VerifyBatch(together)
+    engine.model.forward(draft, batch, "all")
+    batch.finish(len(draft))
+    _assert_same_cache(together, alone)
+
+
 @pytest.mark.parametrize("kv, overflow", [("k6v4", None), ("full", None), ("k4v4", "rolling"),
                                           ("k4v4", "attention")])
 def test_a_rolled_back_draft_leaves_the_cache_as_if_never_held(engine, kv, overflow):

@@ -180,7 +180,8 @@ class PrefillBatch(SequenceBatch):
 
 class VerifyLayer(LayerKVCache):
     """One layer of a VerifyBatch: row i of q, k, v is stored and attended exactly as the decode
-    step of that token alone would be (the layer's own one-token `attend`), in order, with
+    step of that token alone would be (all rows in one compiled call where the layer's attention
+    can, `PagedAttention.attend_rows`; else the layer's own one-token `attend`, in order), with
     out-of-window releases held back until the batch is finished (a rejected row may be trimmed
     back over blocks a window layer would otherwise have let go)."""
 
@@ -198,6 +199,11 @@ class VerifyLayer(LayerKVCache):
     def attend(self, q, k, v, *, scale, window):
         T, H, _ = q.shape
         track = getattr(self.layer, "track_attention", False)
+        attend_rows = getattr(getattr(self.layer, "attention", None), "attend_rows", None)
+        if attend_rows is not None and not track:  # all rows in one compiled call, when it applies
+            out = attend_rows(self.layer, q, k, v, scale=scale, window=window)
+            if out is not None:
+                return out
         out = None
         for i in range(T):
             o = self.layer.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], scale=scale, window=window)

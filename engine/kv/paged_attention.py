@@ -413,6 +413,27 @@ class PagedAttention:
             layer.commit_token(view)
         return out.reshape(n, H, -1)
 
+    def attend_rows(self, layer, q, k, v, *, scale: float, window: int | None) -> np.ndarray | None:
+        """T new tokens of one sequence (`layer` a PagedLayerCache), each attended exactly as its
+        own decode step would be (a verified draft, `kv.batch.VerifyBatch`), from one compiled
+        call: the rows are stored one after the other first, then row i's view reads the tail's
+        first n_tail + i + 1 columns (the views share the tail; later rows only write past what
+        an earlier view reads) and `DecodeKernel.attend_many` computes each view as its own
+        `attend`. (T, H, Dv), or None with nothing stored when one call cannot stand for the
+        steps: no decode kernel or its kernels compiling, attention mass tracked, a block
+        filling among the rows (the tail is then reused for the next block) or a sink position
+        among them (the sinks are written as the rows are stored)."""
+        T, H, _ = q.shape
+        if (self.decode is None or T < 2 or layer.track_attention or layer.n_tail + T >= layer.B
+                or layer.offset < layer.n_sinks or self._compiling(DECODE_KERNELS)):
+            return None
+        views = []
+        for i in range(T):
+            view = layer.stage_token(q[i : i + 1], k[i : i + 1], v[i : i + 1])
+            layer.commit_token(view)
+            views.append(view)
+        return self.decode.attend_many(views, scale=scale, window=window).reshape(T, H, -1)
+
     def attend(self, layer, q, k, v, *, scale: float, window: int | None) -> np.ndarray:
         """Store the T new tokens in `layer` (a PagedLayerCache) and return their attention
         output (T, H, Dv)."""
