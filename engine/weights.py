@@ -99,6 +99,18 @@ def arith_mode() -> str:
         raise type(exc)(f"{ARITH_ENV}: {exc}") from None
 
 
+def fast_arith_pays() -> bool:
+    """Whether the fast arithmetic (int8 activations) is faster than exact on this CPU: with VNNI
+    (`vpdpbusd` does twice `vpdpwssd`'s multiply-adds), not on AVX2 alone, where the 8-bit and
+    the 16-bit products both take two multiply instructions per 32 multiply-adds (measured no
+    faster, docs/performance.md 2026-12-03)."""
+    if not HAVE_NUMBA:
+        return False
+    from .kernels import int_dot
+
+    return int_dot.kernel_isa() in ("avx512vnni", "avxvnni")
+
+
 def weight_arith(ggml_type: GGMLQuantizationType, out_features: int, in_features: int) -> str:
     """"int" when this CPU has integer kernels (`int_dot.kernel_isa`, OMLX_KERNELS forces one, or
     "float") and the type has them at this shape, unless OMLX_ARITH=float; else "float"."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QComboBox, QLabel
 
+from engine import weights
+
 ARITH_CHOICES = (   # (mode, label, what it costs)
     ("exact", "Exact", "Integer kernels with 16-bit activations: reference-grade accuracy "
                        "(the answers of the float kernels, within a mean KL of 1e-5)"),
@@ -17,6 +19,7 @@ ARITH_CHOICES = (   # (mode, label, what it costs)
                                            "reading at a small accuracy cost, measured on the loaded model"),
 )
 ARITH_OFFERED = tuple(mode for mode, _, _ in ARITH_CHOICES)
+NO_GAIN = "no faster than exact on this CPU (AVX2 without VNNI)"
 ERROR_STYLE = "color: #dc2626;"
 NOTE_STYLE = "color: palette(mid);"
 
@@ -40,6 +43,10 @@ class ArithChoice(QObject):
             self.box.setItemData(self.box.count() - 1, cost, Qt.ItemDataRole.ToolTipRole)
         self.box.setToolTip("The weight products' arithmetic (not the KV cache's)\n"
                             + "\n".join(f"{label}: {cost}" for _, label, cost in ARITH_CHOICES))
+        self.fast_pays = weights.fast_arith_pays()  # False on AVX2 without VNNI
+        if not self.fast_pays:
+            fast = self.box.findData("fast")
+            self.box.setItemData(fast, ARITH_CHOICES[1][2] + ". " + NO_GAIN, Qt.ItemDataRole.ToolTipRole)
         self.label = QLabel()      # what fast costs this model, or why it cannot switch
         self.label.setWordWrap(True)
         self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -86,7 +93,8 @@ class ArithChoice(QObject):
 
     def show_cost(self, mean_kl: float, top1_agreement: float, n_tokens: int) -> None:
         """The fast arithmetic's cost on the loaded model (ArithCost's figures)."""
-        self.note = (f"Fast: mean KL {mean_kl:.4f} vs exact (measured on this model)", False,
+        gain = "" if self.fast_pays else f"; {NO_GAIN}"
+        self.note = (f"Fast: mean KL {mean_kl:.4f} vs exact (measured on this model){gain}", False,
                      f"Over {n_tokens} tokens of the calibration text, both with 16-bit KV: mean KL "
                      f"{mean_kl:.5f} nats, the same top token at {top1_agreement:.1%} of positions")
         self.refresh()

@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest  # noqa: E402
+from PySide6.QtCore import Qt  # noqa: E402
 
 from engine import weights  # noqa: E402
 from omlx_desktop import arith as arith_controller  # noqa: E402
@@ -73,6 +74,11 @@ def test_fast_switches_the_engine_and_its_cost_is_measured(window):
     cost = shown[0]
     assert 0 < cost.mean_kl < 0.05 and cost.top1_agreement > 0.9 and cost.n_tokens == COST_TOKENS
     assert f"Fast: mean KL {cost.mean_kl:.4f} vs exact" in panel.arith_note()
+    # on a CPU where int8 is no faster (AVX2 without VNNI) the note and the item's tooltip say so
+    from omlx_desktop.kv_arith import NO_GAIN
+
+    fast_tip = panel.arith_box.itemData(panel.arith_box.findData("fast"), Qt.ItemDataRole.ToolTipRole)
+    assert (NO_GAIN in panel.arith_note()) == (NO_GAIN in fast_tip) == (not weights.fast_arith_pays())
     assert panel.running_arith() == "fast"
     model_id = window.model_info["model_id"]
     assert cost.model_id == model_id
