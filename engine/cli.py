@@ -88,6 +88,8 @@ def _load_engine(args):
     _check_fit(path, args)
     engine = Engine.load(path, kv=args.kv)
     engine.speculate = getattr(args, "speculate", engine.speculate)
+    if getattr(args, "draft", None):
+        engine.set_draft(Engine.load(_resolve(args.draft), kv=args.kv))
     return engine
 
 
@@ -670,6 +672,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                         "(OpenAI's; 0 = off)")
     p.add_argument("--seed", type=int, default=None)
     _add_speculate(p)
+    p.add_argument("--draft", metavar="MODEL",
+                   help="draft with this small model of the same vocabulary (its own KV cache at the same "
+                        "--kv) and verify in one pass, instead of --speculate; greedy output is the same")
 
 
 def _add_speculate(p: argparse.ArgumentParser) -> None:

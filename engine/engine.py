@@ -24,7 +24,7 @@ from .memory import PeakRSS, release_free_heap
 from .models import load_model
 from .models.base import BaseModel
 from .decoding import STOP, TokenStream
-from .speculate import SPECULATE_MODES, PromptLookup
+from .speculate import SPECULATE_MODES, DraftModel, PromptLookup
 from .sampling import SamplingParams, log_softmax  # noqa: F401  (log_softmax re-exported: its old home)
 from .tokenizer import Tokenizer, TokenizerError
 from .weights import ARITH_ENV, DenseLinear, QuantLinear, arith_mode, check_arith
@@ -130,6 +130,7 @@ class Engine:
         self.master_copies = True  # pinned prefixes computed once in the 8-bit master layout (kv.requantize)
         self.prefix_capacity_tokens = 2 * model.context_length
         self.speculate = "off"  # SPECULATE_MODES: "lookup" drafts by prompt lookup, verified in one pass
+        self.draft_engine: "Engine | None" = None  # --draft MODEL: drafts by this model instead (set_draft)
         self._prefix = None
         self._master = None  # the master layout's PrefixCache (kv.requantize), when not _prefix
         self._prefix_lock = threading.Lock()
@@ -482,13 +483,30 @@ class Engine:
         speculate = self.speculate if speculate is None else speculate
         if speculate not in SPECULATE_MODES:
             raise SettingsError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {speculate!r}")
-        drafter = PromptLookup(max_draft=self.exact_batch_rows() - 1) if speculate == "lookup" else None
+        if self.draft_engine is not None:
+            drafter = DraftModel(self.draft_engine, max_draft=self.exact_batch_rows() - 1)
+        else:
+            drafter = PromptLookup(max_draft=self.exact_batch_rows() - 1) if speculate == "lookup" else None
         holder: list[GenerationResult] = []
         return Generation(
             self._run(list(prompt_ids), max_tokens, sampling, stop, cache, cancel, prefill_progress, holder,
                       drafter, processors),
             holder,
         )
+
+    def set_draft(self, draft: "Engine | None") -> None:
+        """Draft with `draft` (a small model of the same vocabulary, `--draft MODEL`) from the next
+        answer on, whatever `speculate` says; None: back to `speculate`.
+
+        Raises:
+            SettingsError: the vocabularies differ (a drafted id would mean another token).
+        """
+        if draft is not None:
+            # the same byte string for every id (the tokenizer's own table)
+            if (self.model.vocab_size != draft.model.vocab_size
+                    or self.tokenizer._pieces != draft.tokenizer._pieces):
+                raise SettingsError(f"the draft model {draft.name} does not have {self.name}'s vocabulary")
+        self.draft_engine = draft
 
     @staticmethod
     def _draft_room(cache: KVCache, limit: int, max_more: int) -> int:

@@ -11,6 +11,7 @@ distribution: a drafted token d is kept with probability p(d) (the draft is dete
 = 1), and on rejection the token is drawn from p with d removed, renormalised.
 
     PromptLookup    the drafter: an n-gram index over the history, grown as tokens come
+    DraftModel      the drafter for `--draft MODEL`: a small model of the same vocabulary, greedy
     accept_draft    the acceptance rule over the verified rows (TokenStream.verify takes its tokens)
 """
 
@@ -86,6 +87,62 @@ class PromptLookup:
             self.length = min(self.max_draft, self.length + 1)
         else:
             self.length = max(1, n_accepted + 1)
+
+
+class DraftModel:
+    """Drafts with a small model of the same vocabulary (its own Engine and KV cache at its own
+    spec), greedily; the same draft-length rule as PromptLookup.
+
+    Its cache follows the history it is shown: before drafting, the tokens after the longest
+    common prefix of what it holds and the history are trimmed off (a rejected draft) and the
+    history's new tokens are fed, so each call costs the new tokens plus one step per drafted
+    token but the last (its cache then holds history + draft[:-1]). One is made per answer
+    (`Engine.stream`): the draft model reads the whole prompt at the answer's first draft, with
+    no prefix reuse yet."""
+
+    def __init__(self, engine, max_draft: int = MAX_DRAFT):
+        self.engine = engine
+        self.max_draft = max_draft
+        self.length = min(4, max_draft)
+        self.drafted = self.accepted = 0
+        self.cache = engine.new_cache()
+        self._held: list[int] = []  # the tokens in self.cache, in order
+
+    def draft(self, history: Sequence[int], room: int) -> list[int]:
+        k = min(self.length, room, self.max_draft)
+        if k <= 0 or not history:
+            return []
+        history = [int(t) for t in history]
+        limit = self.engine.model.context_length
+        if len(history) + k > limit:
+            return []
+        common = 0
+        for a, b in zip(self._held, history):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(history) - 1)  # the last token is fed again for its logits
+        if len(self._held) > common:
+            self.cache.trim(len(self._held) - common)
+            del self._held[common:]
+        logits = self.engine.prefill(history[common:], self.cache)
+        self._held.extend(history[common:])
+        out: list[int] = []
+        for i in range(k):
+            token = int(np.argmax(logits))
+            out.append(token)
+            if i < k - 1:
+                logits = self.engine.model.forward([token], self.cache, "last")[0]
+                self._held.append(token)
+        return out
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        PromptLookup.update(self, n_drafted, n_accepted)
+
+    def close(self) -> None:
+        release = getattr(self.cache, "release", None)
+        if release is not None:
+            release()
 
 
 def accept_draft(sampler: Sampler, rows: np.ndarray, draft: Sequence[int], history: Sequence[int],

@@ -129,3 +129,34 @@ def test_generate_json_reports_drafted_and_accepted_tokens(capsys, smollm2_path)
     code = cli.main(["-q", "generate", str(smollm2_path), "--prompt", REPEATING, "--max-tokens", "16", "--json"])
     plain = json.loads(capsys.readouterr().out)
     assert plain["ids"] == out["ids"] and plain["stats"]["drafted_tokens"] == 0
+
+
+def test_smollm2_drafting_for_itself_accepts_every_greedy_token(smollm2_path):
+    """`--draft MODEL` with the model itself as the draft: each drafted token is the greedy one,
+    so every draft is accepted in full and the answer equals decoding without speculation."""
+    from engine.engine import Engine
+
+    engine = Engine.load(smollm2_path, kv="k6v4")
+    draft = Engine.load(smollm2_path, kv="k6v4")
+    ids = engine.encode_chat([{"role": "user", "content": "Write three sentences about the sea."}])
+    plain = engine.generate(ids, max_tokens=40, speculate="off")
+    engine.set_draft(draft)
+    drafted = engine.generate(ids, max_tokens=40)
+    assert drafted.ids == plain.ids
+    s = drafted.stats
+    assert s.drafted_tokens > 0 and s.accepted_tokens == s.drafted_tokens
+
+
+def test_generate_draft_model_on_the_command_line_and_a_foreign_vocabulary_refused(capsys, smollm2_path,
+                                                                                  gemma3_path):
+    code = cli.main(["-q", "generate", str(smollm2_path), "--prompt", REPEATING, "--max-tokens", "12",
+                     "--json", "--draft", str(smollm2_path)])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["stats"]["drafted_tokens"] > 0
+    assert out["stats"]["accepted_tokens"] == out["stats"]["drafted_tokens"]
+    code = cli.main(["-q", "generate", str(smollm2_path), "--prompt", REPEATING, "--max-tokens", "12", "--json"])
+    assert json.loads(capsys.readouterr().out)["ids"] == out["ids"]
+    code = cli.main(["-q", "generate", str(smollm2_path), "--prompt", REPEATING, "--max-tokens", "4",
+                     "--draft", str(gemma3_path)])
+    assert code != 0
+    assert "vocabulary" in capsys.readouterr().err
