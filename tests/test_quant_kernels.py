@@ -235,10 +235,13 @@ def test_weight_store_backends(smollm2_path, monkeypatch):
 
 @pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS], ids=lambda t: t.name)
 def test_tiny_model_of_a_fused_type_runs_from_its_blocks(qtype, tmp_path, monkeypatch):
-    """A model whose matrices are all of a type with fused kernels keeps every matrix as the
+    """A model whose matrices are all of a type with fused float kernels keeps every matrix as the
     file's blocks (no float32 copy), and its logits, decode (matvec) and prefill (dequantized
-    tiles), equal those of the dense path (gguf's dequantized values, BLAS)."""
+    tiles), equal those of the dense path (gguf's dequantized values, BLAS). On the float
+    arithmetic: Q3_K takes the integer kernels by default (tests/test_int_kernels.py)."""
     from engine.models import load_model
+
+    monkeypatch.setenv(weights.ARITH_ENV, "float")
 
     from .tiny_gguf import write_tiny_model
     from .tiny_variants import BLOCK_FRIENDLY, rewrite
