@@ -371,7 +371,7 @@ class OpenAIServer:
                       processors=processors)
             return job, events, view
 
-        choices = [choice(i) for i in range(getattr(req, "n", 1))]
+        choices = [choice(i) for i in range(req.n)]
         job, events, view = choices[0]
         try:  # n > 1: the other choices go in once the first has prefilled (_complete_choices)
             self.scheduler.submit(job)
@@ -411,28 +411,15 @@ class OpenAIServer:
             return self._error(kind, ApiError(503, exc.user_message, type="server_error", code="unavailable"))
         try:
             for n, (job, events, view) in enumerate(choices):
-                pieces, tokens = [], []
-                while True:
-                    if n == 0 and early:
-                        event = early.pop(0)
-                    else:
-                        event = await self._next_event(request, job, events)
-                    if event is None:  # the client went away: the other choices go too
-                        for other, _, _ in choices[n + 1 :]:
-                            self.scheduler.cancel(other)
+                text, tokens, last = await self._collect(request, job, events, early if n == 0 else None)
+                if last is None or isinstance(last, Failed):  # the other choices go too
+                    for other, _, _ in choices[n + 1 :]:
+                        self.scheduler.cancel(other)
+                    if last is None:
                         self.metrics.request(kind, 499)
                         return Response(status_code=499)
-                    if isinstance(event, Token):
-                        pieces.append(event.text)
-                        tokens.append(event)
-                    elif isinstance(event, Failed):
-                        for other, _, _ in choices[n + 1 :]:
-                            self.scheduler.cancel(other)
-                        return self._error(kind, self._failure(event.error))
-                    elif isinstance(event, Finished):
-                        pieces.append(event.text)
-                        break
-                answers.append(view.whole("".join(pieces), event, tokens))
+                    return self._error(kind, self._failure(last.error))
+                answers.append(view.whole(text, last, tokens))
         except asyncio.CancelledError:
             for job, _, _ in choices:
                 self.scheduler.cancel(job)
@@ -466,28 +453,37 @@ class OpenAIServer:
                     self.scheduler.cancel(job)
                     return None
 
-    async def _complete(self, request: Request, kind: str, job: Job, events: asyncio.Queue, view) -> Response:
+    async def _collect(self, request: Request, job: Job, events: asyncio.Queue, early: list | None = None):
+        """A job's events to its end: (text, Token events, the last event), the last being
+        Finished, Failed or None (the client went away; the job is then cancelled). `early`:
+        events already taken from the queue, handled first."""
         pieces: list[str] = []
         tokens: list[Token] = []
+        early = list(early or ())
+        while True:
+            event = early.pop(0) if early else await self._next_event(request, job, events)
+            if event is None or isinstance(event, Failed):
+                return "", tokens, event
+            if isinstance(event, Token):
+                pieces.append(event.text)
+                tokens.append(event)
+            elif isinstance(event, Finished):
+                pieces.append(event.text)
+                return "".join(pieces), tokens, event
+
+    async def _complete(self, request: Request, kind: str, job: Job, events: asyncio.Queue, view) -> Response:
         try:
-            while True:
-                event = await self._next_event(request, job, events)
-                if event is None:
-                    self.metrics.request(kind, 499)
-                    return Response(status_code=499)
-                if isinstance(event, Token):
-                    pieces.append(event.text)
-                    tokens.append(event)
-                elif isinstance(event, Failed):
-                    return self._error(kind, self._failure(event.error))
-                elif isinstance(event, Finished):
-                    pieces.append(event.text)
-                    break
+            text, tokens, last = await self._collect(request, job, events)
         except asyncio.CancelledError:
             self.scheduler.cancel(job)
             raise
+        if last is None:
+            self.metrics.request(kind, 499)
+            return Response(status_code=499)
+        if isinstance(last, Failed):
+            return self._error(kind, self._failure(last.error))
         self.metrics.request(kind, 200)
-        return JSONResponse(view.whole("".join(pieces), event, tokens))
+        return JSONResponse(view.whole(text, last, tokens))
 
     async def _stream(self, request: Request, kind: str, job: Job, events: asyncio.Queue, view) -> Response:
         # The first event decides the status: a request that times out in the queue is a 429,
