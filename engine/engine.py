@@ -24,7 +24,7 @@ from .memory import PeakRSS, release_free_heap
 from .models import load_model
 from .models.base import BaseModel
 from .decoding import STOP, TokenStream
-from .speculate import SPECULATE_MODES, DraftModel, PromptLookup
+from .speculate import SPECULATE_MODES, DraftModel, PromptLookup, agreed_tokens
 from .sampling import SamplingParams, log_softmax  # noqa: F401  (log_softmax re-exported: its old home)
 from .tokenizer import Tokenizer, TokenizerError
 from .weights import ARITH_ENV, DenseLinear, QuantLinear, arith_mode, check_arith
@@ -509,7 +509,7 @@ class Engine:
         self.draft_engine = draft
 
     @staticmethod
-    def _draft_room(cache: KVCache, limit: int, max_more: int) -> int:
+    def draft_room(cache: KVCache, limit: int, max_more: int) -> int:
         """Draft tokens a verify pass may add after the next token: no drop by the overflow
         policy, the plain loop's context check still ahead, no more than the answer may take."""
         room = min(VerifyBatch.room(cache), limit - cache.offset) - 1  # the next token's own row
@@ -578,7 +578,7 @@ class Engine:
                 reason = "context_full"
                 break
             try:
-                room = self._draft_room(cache, limit, max_tokens - stream.n_generated - 1) if drafter else 0
+                room = self.draft_room(cache, limit, max_tokens - stream.n_generated - 1) if drafter else 0
                 draft = drafter.draft(stream.history, room) if room else []
                 if draft:
                     # token + draft in one pass; the stream takes what the acceptance rule keeps,
@@ -587,10 +587,7 @@ class Engine:
                     rows = self.model.forward([token, *draft], verify, "all")
                     steps = stream.verify(rows, draft)
                     verify.finish(len(draft) - (len(steps) - 1))
-                    agreed = 0
-                    while agreed < len(steps) and agreed < len(draft) and steps[agreed].token == draft[agreed]:
-                        agreed += 1
-                    drafter.update(len(draft), agreed)
+                    drafter.update(len(draft), agreed_tokens(steps, draft))
                     for step in steps:
                         if step.finish_reason == STOP:
                             break

@@ -13,6 +13,7 @@ distribution: a drafted token d is kept with probability p(d) (the draft is dete
     PromptLookup    the drafter: an n-gram index over the history, grown as tokens come
     DraftModel      the drafter for `--draft MODEL`: a small model of the same vocabulary, greedy
     accept_draft    the acceptance rule over the verified rows (TokenStream.verify takes its tokens)
+    agreed_tokens   how many drafted tokens the verified steps kept
 """
 
 from __future__ import annotations
@@ -143,6 +144,15 @@ class DraftModel:
         release = getattr(self.cache, "release", None)
         if release is not None:
             release()
+
+
+def agreed_tokens(steps: Sequence, draft: Sequence[int]) -> int:
+    """How many drafted tokens the verified steps kept as drafted (the leading steps whose token
+    is the draft's; the drafter's `update` and the drafted / accepted counts take it)."""
+    agreed = 0
+    while agreed < len(steps) and agreed < len(draft) and steps[agreed].token == draft[agreed]:
+        agreed += 1
+    return agreed
 
 
 def accept_draft(sampler: Sampler, rows: np.ndarray, draft: Sequence[int], history: Sequence[int],

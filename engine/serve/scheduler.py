@@ -53,7 +53,7 @@ from ..kv.batch import DecodeBatch, PrefillBatch, SequenceBatch, VerifyBatch
 from ..memory import release_free_heap
 from ..decoding import STOP, STOP_STRING, LogitsProcessor, TokenLogprob, TokenStream
 from ..sampling import SamplingParams
-from ..speculate import SPECULATE_MODES, PromptLookup
+from ..speculate import SPECULATE_MODES, PromptLookup, agreed_tokens
 from ..weights import blas_rows_independent, products_use_blas
 from .metrics import Metrics
 
@@ -504,7 +504,7 @@ class Scheduler:
         for seq in batch:
             draft: list[int] = []
             if seq.drafter is not None and spare > 0:
-                room = Engine._draft_room(seq.cache, limit, seq.stream.max_tokens - seq.stream.n_generated - 1)
+                room = Engine.draft_room(seq.cache, limit, seq.stream.max_tokens - seq.stream.n_generated - 1)
                 if min(room, spare) > 0:
                     draft = seq.drafter.draft(seq.stream.history, min(room, spare))
             spare -= len(draft)
@@ -538,25 +538,34 @@ class Scheduler:
             return
         steps = seq.stream.verify(rows, draft)
         verify.finish(len(draft) - (len(steps) - 1))
-        agreed = 0
-        while agreed < len(steps) - 1 and steps[agreed].token == draft[agreed]:
-            agreed += 1
+        agreed = agreed_tokens(steps, draft)
         seq.drafter.update(len(draft), agreed)
         self.metrics.drafted_tokens.inc(len(draft))
         self.metrics.accepted_tokens.inc(agreed)
         for step in steps:
-            if step.finish_reason == STOP:
-                self._finish(seq, STOP)
+            if self._emit(seq, step):
                 return
-            self.metrics.generated_tokens.inc()
-            self._send(seq.job, Token(step.token, step.text, step.logprob))
-            if step.finish_reason is not None:
-                self._finish(seq, step.finish_reason)
-                return
+        self._go_on(seq, steps[-1].token)
+
+    def _emit(self, seq: _Sequence, step) -> bool:
+        """Send one step's token, or finish the sequence on a stop token / a limit the step hit;
+        True when the sequence has ended."""
+        if step.finish_reason == STOP:
+            self._finish(seq, STOP)
+            return True
+        self.metrics.generated_tokens.inc()
+        self._send(seq.job, Token(step.token, step.text, step.logprob))
+        if step.finish_reason is not None:
+            self._finish(seq, step.finish_reason)
+            return True
+        return False
+
+    def _go_on(self, seq: _Sequence, token: int) -> None:
+        """`token` is the next decode step's input, unless the context is full (finished: length)."""
         if seq.cache.offset + 1 >= min(self.limits.ctx, self.engine.model.context_length):
             self._finish(seq, "length")
         else:
-            seq.next_token = steps[-1].token
+            seq.next_token = token
 
     def _advance(self, seq: _Sequence, logits: np.ndarray) -> None:
         """Push `logits` through the sequence's token stream and send the token, or finish."""
@@ -572,17 +581,8 @@ class Scheduler:
         step = stream.push(logits)
         if first:
             self.metrics.ttft.observe(stream.first_token_at - seq.job.submitted)
-        if step.finish_reason == STOP:
-            self._finish(seq, STOP)
-            return
-        self.metrics.generated_tokens.inc()
-        self._send(seq.job, Token(step.token, step.text, step.logprob))
-        if step.finish_reason is not None:
-            self._finish(seq, step.finish_reason)
-        elif seq.cache.offset + 1 >= min(self.limits.ctx, self.engine.model.context_length):
-            self._finish(seq, "length")
-        else:
-            seq.next_token = step.token
+        if not self._emit(seq, step):
+            self._go_on(seq, step.token)
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self._running:
