@@ -225,6 +225,11 @@ def linear_layers(obj, _seen: set | None = None):
         yield from linear_layers(child, seen)
 
 
+# QuantLinear.int_max_rows of a layer whose instruction set takes every row count on the integer
+# kernels (int_dot.INT_MAX_ROWS None)
+EVERY_ROW_COUNT = 1 << 62
+
+
 def products_use_blas(model) -> bool:
     """Whether some linear layer of the model's blocks (`model.layers`: what a prefill's many rows
     go through; the output layer takes only each sequence's last row) multiplies many rows
@@ -232,7 +237,7 @@ def products_use_blas(model) -> bool:
     one is on the integer kernels at any row count, whose rows are then exact at any count (not on
     AVX2, where long inputs go to tiles and BLAS: `int_dot.INT_MAX_ROWS`)."""
     layers = getattr(model, "layers", model)
-    return any(not (isinstance(lin, QuantLinear) and lin.arith == "int" and lin.int_max_rows >= 1 << 62)
+    return any(not (isinstance(lin, QuantLinear) and lin.arith == "int" and lin.int_max_rows == EVERY_ROW_COUNT)
                for lin in linear_layers(layers))
 
 
@@ -243,8 +248,8 @@ def integer_rows(model) -> int | None:
     runs in chunks of at most this many tokens, so that every position is computed in it, as
     decode steps are."""
     caps = [lin.int_max_rows for lin in linear_layers(model) if isinstance(lin, QuantLinear) and lin.arith == "int"]
-    smallest = min(caps, default=1 << 62)
-    return None if smallest >= 1 << 62 else int(smallest)
+    smallest = min(caps, default=EVERY_ROW_COUNT)
+    return None if smallest == EVERY_ROW_COUNT else int(smallest)
 
 
 def _as_rows(x, in_features: int) -> tuple[np.ndarray, tuple]:
@@ -393,7 +398,10 @@ class QuantLinear:
                     release(part)
             isa = int_dot.kernel_isa()
             self._int = int_matvec.IntMatvec(ggml_type, raw, in_features, isa, packed=packed)
-            self.int_max_rows = int_dot.INT_MAX_ROWS[isa] or (1 << 62)
+            self.int_max_rows = int_dot.INT_MAX_ROWS[isa] or EVERY_ROW_COUNT
+            # tiles (and their halves) in whole 16-row groups: `range_gguf` unpacks those by
+            # strided copies; a tile starting mid-group would take the row-by-row gather
+            self.tile_rows = max(int_matvec.GROUP, self.tile_rows // int_matvec.GROUP * int_matvec.GROUP)
             self._matvec = None
             self.fast = False  # int8 activations (ARITH_MODES "fast"); Engine.set_arith switches it
             self.raw = None
@@ -452,7 +460,7 @@ class QuantLinear:
         if helper is None:
             self._dequantize_part(start, stop, tile)
             return
-        half = n // 2
+        half = n // 2 if self._int is None else n // 2 // 16 * 16  # (whole groups, see __init__)
         job = helper.submit(self._dequantize_part, start + half, stop, tile[half:])
         self._dequantize_part(start, start + half, tile[:half])
         job.result()

@@ -120,9 +120,16 @@ def test_long_prompts_past_the_integer_rows_take_float_tiles_of_the_same_matrix(
     scale = np.abs(x).astype(np.float64) @ np.abs(w).T + 1e-30
     long = lin(x)  # 40 rows > 8: tiles and BLAS
     assert np.max(np.abs(long - want) / scale) < 1e-5
+    assert lin.tile_rows % int_matvec.GROUP == 0  # tiles in whole groups (strided unpacking)
     tile = np.empty((48, 256), np.float32)
     lin._dequantize(0, 48, tile)
     assert np.array_equal(tile, dequantize(raw, qtype).reshape(48, 256).astype(np.float32))
+    # a tile past PARALLEL_DEQUANTIZE_ROWS: its halves (whole groups) dequantized on two threads
+    big_raw = blocks(qtype, 528, 256, seed=11)
+    big = weights.QuantLinear(big_raw.copy(), qtype, 528, 256, arith="int")
+    big_tile = np.empty((528, 256), np.float32)
+    big._dequantize(0, 528, big_tile)
+    assert np.array_equal(big_tile, dequantize(big_raw, qtype).reshape(528, 256).astype(np.float32))
     short = lin(x[:8])  # the integer kernels, as alone
     assert np.array_equal(bits(short), bits(run(qtype, raw, x[:8], int_dot.kernel_isa())))
 

@@ -29,7 +29,7 @@ def test_a_layer_takes_the_integer_kernels_at_every_row_count_its_isa_allows(qty
     raw = blocks(qtype, 64, 256)
     lin = QuantLinear(raw, qtype, 64, 256)
     assert lin.arith == "int" and lin.raw is None
-    assert lin.int_max_rows == (int_dot.INT_MAX_ROWS[int_dot.kernel_isa()] or 1 << 62)
+    assert lin.int_max_rows == (int_dot.INT_MAX_ROWS[int_dot.kernel_isa()] or weights.EVERY_ROW_COUNT)
     kernel = int_matvec.IntMatvec(qtype, raw, 256, int_dot.kernel_isa())
     x = np.random.default_rng(1).standard_normal((300, 256)).astype(np.float32)
     alone = kernel(x, np.empty((300, 64), np.float32))

@@ -75,7 +75,7 @@ def test_quant_linear_rows_of_a_batch_equal_each_chunk_alone(out_features, in_fe
     if tiled is None and not weights.weight_arith(QT.Q8_0, out_features, in_features) == "int":
         pytest.skip("no integer kernels on this CPU")
     lin = q8_linear(out_features, in_features, seed=out_features, arith="int" if tiled is None else "float")
-    if tiled is None and lin.int_max_rows < 1 << 62 and not weights.blas_rows_independent():
+    if tiled is None and lin.int_max_rows < weights.EVERY_ROW_COUNT and not weights.blas_rows_independent():
         pytest.skip("long inputs take BLAS on this instruction set, and this BLAS rounds a row differently "
                     "with the number of rows")
     if tiled:  # several tiles per product, as a 1B model's matrices take; as real tiles are, none
