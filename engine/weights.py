@@ -100,15 +100,13 @@ def arith_mode() -> str:
 
 
 def fast_arith_pays() -> bool:
-    """Whether the fast arithmetic (int8 activations) is faster than exact on this CPU: with VNNI
-    (`vpdpbusd` does twice `vpdpwssd`'s multiply-adds), not on AVX2 alone, where the 8-bit and
-    the 16-bit products both take two multiply instructions per 32 multiply-adds (measured no
-    faster, docs/performance.md 2026-12-03)."""
+    """Whether the fast arithmetic (int8 activations) is faster than exact on this CPU's integer
+    kernels (`int_dot.FAST_GAINS`: with VNNI, not on AVX2 alone)."""
     if not HAVE_NUMBA:
         return False
     from .kernels import int_dot
 
-    return int_dot.kernel_isa() in ("avx512vnni", "avxvnni")
+    return int_dot.FAST_GAINS.get(int_dot.kernel_isa(), False)
 
 
 def weight_arith(ggml_type: GGMLQuantizationType, out_features: int, in_features: int) -> str:

@@ -51,6 +51,11 @@ ISA_LANES = {"avx512vnni": 16, "avxvnni": 8, "avx2": 8}
 # rows takes 29 ms (Q4_1) / 61 ms (Q4_K) by the integer kernels against 20 / 20 ms by the tiles,
 # while at 1-16 rows the integer kernels are 1.1-3x faster (docs/performance.md, 2026-12-03).
 INT_MAX_ROWS = {"avx512vnni": None, "avxvnni": None, "avx2": 32}
+# Whether the fast mode's int8 product is faster than the exact 16-bit one: with VNNI `vpdpbusd`
+# does twice `vpdpwssd`'s multiply-adds; on AVX2 both take two multiply instructions per 32
+# (vpmaddubsw + vpmaddwd against two vpmaddwd), and the fast mode measured no faster
+# (docs/performance.md, 2026-12-03)
+FAST_GAINS = {"avx512vnni": True, "avxvnni": True, "avx2": False}
 
 ACT_BLOCK = 32  # activation values per scale
 ACT_MAX = 32767  # largest |code|
@@ -117,13 +122,12 @@ def kernel_isa() -> str:
 
 def describe(isa: str, fast: bool = False) -> str:
     acts = "int8 activations, fast mode" if fast else "16-bit activations"
+    if fast and not FAST_GAINS.get(isa, True):
+        acts += "; no faster than exact without VNNI"
     return {
         "avx512vnni": f"integer (AVX-512 VNNI {'vpdpbusd' if fast else 'vpdpwssd'}, {acts})",
         "avxvnni": f"integer (AVX-VNNI 256-bit {'vpdpbusd' if fast else 'vpdpwssd'}, {acts})",
-        # (without VNNI the 8-bit product is two multiply instructions per 32 multiply-adds, as the
-        # 16-bit one is: the fast mode measured no faster there, docs/performance.md)
-        "avx2": (f"integer (AVX2 vpmaddubsw, {acts}; no faster than exact without VNNI)" if fast
-                 else f"integer (AVX2 vpmaddwd, {acts})"),
+        "avx2": f"integer (AVX2 {'vpmaddubsw' if fast else 'vpmaddwd'}, {acts})",
         "float": "float32 (dequantize-and-FMA)",
     }[isa]
 
