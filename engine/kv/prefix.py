@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+import psutil
 
 from ..errors import KVPoolFull
 from .config import KVConfig
@@ -396,16 +397,6 @@ class PrefixFileError(Exception):
     """A saved prefix that cannot be trusted."""
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True  # someone else's process: alive
-    return True
-
-
 class PrefixDiskStore:
     """Saved prefixes, one file per chain, named by the chain's last key.
 
@@ -439,7 +430,7 @@ class PrefixDiskStore:
                 pid = int(p.name.rsplit(".", 2)[-2])
             except ValueError:
                 continue
-            if pid != os.getpid() and not _process_alive(pid):
+            if pid != os.getpid() and not psutil.pid_exists(pid):
                 p.unlink(missing_ok=True)
                 removed += 1
                 log.info("removed %s, the partial save of a process that is gone", p.name)
