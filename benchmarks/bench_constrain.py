@@ -15,12 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import catalog  # noqa: E402
-from engine.constrain import JsonConstraint  # noqa: E402
-from engine.decoding import TokenStream  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from engine import catalog
+from engine.constrain import JsonConstraint
+from engine.decoding import TokenStream
+from engine.engine import Engine
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colors", "pet"],
           "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},

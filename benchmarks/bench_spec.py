@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's engine, not whichever one the venv installed
 DOC = ROOT / "tests" / "data" / "texts" / "apache-2.0.txt"
 PROMPTS = [
     ("quote Contribution", 'Quote the paragraph that defines "Contribution" word for word.'),

@@ -35,10 +35,7 @@ import httpx2 as httpx
 import openai
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from engine import catalog  # noqa: E402
+from engine import catalog
 
 KINDS = ("chat", "chat_stream", "completion", "tools", "json_schema", "anthropic", "anthropic_stream",
          "dropped_stream", "oversized")
@@ -133,7 +130,7 @@ def main() -> int:
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     cache = tempfile.mkdtemp(prefix="omlx-soak-")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMLX_CACHE_DIR=cache)
+    env = dict(os.environ, OMLX_CACHE_DIR=cache)
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", str(path), "--port", str(port),
                              "--max-batch", "8", "--ctx", "2048"], env=env, stderr=subprocess.PIPE, text=True)
     try:
