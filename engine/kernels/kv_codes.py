@@ -507,9 +507,14 @@ _LN2_LO = np.float32(-2.12194440e-4)
 def _exp_le0(x):
     """exp(x) for x <= 0 (softmax after subtracting the maximum), branch-free so that loops over
     it vectorize: x = k*ln2 + r, |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial
-    (relative error < 2e-7), times 2**k built in the exponent bits. Inputs below -87 give
-    exp(-87) ~ 1.6e-38 (a normal float32: no subnormal slow path) instead of 0."""
-    x = max(x, np.float32(-87.0))
+    (relative error < 2e-7), times 2**k built in the exponent bits. Inputs at or below -64 give 0:
+    the softmax divides each exponential by a sum of up to a context's length of them, and
+    exp(-87) / 2 is already subnormal. Subnormal probabilities cost ~10x in the BLAS product with
+    the values that follows (a 1B model whose attention held 1.3% of them: 2.5 s of a 7.9 s
+    prefill in attention against 0.3 s), while exp(-64) ~ 1.6e-28 is below any float32 sum's
+    rounding: dropping it changes no result."""
+    keep = x > np.float32(-64.0)
+    x = max(x, np.float32(-64.0))
     k = np.floor(x * _LOG2E + np.float32(0.5))
     r = x - k * _LN2_HI - k * _LN2_LO
     p = np.float32(1.0 / 720.0)
@@ -519,7 +524,8 @@ def _exp_le0(x):
     p = p * r + np.float32(0.5)
     p = p * r + np.float32(1.0)
     p = p * r + np.float32(1.0)
-    return p * np.int32((np.int32(k) + np.int32(127)) << np.int32(23)).view(np.float32)
+    e = p * np.int32((np.int32(k) + np.int32(127)) << np.int32(23)).view(np.float32)
+    return e if keep else np.float32(0.0)
 
 
 @njit(cache=True, inline="always", fastmath=_FAST)
