@@ -334,6 +334,49 @@ def _tile_buffer(n_values: int) -> np.ndarray:
     return buf
 
 
+# Rows of x from which its activations are quantized on two threads (the second half on the
+# helper thread, as tiles are dequantized): one thread's quantizer is ~2 ns per value, ~6% of a
+# 1B model's prefill.
+PARALLEL_QUANTIZE_ROWS = 64
+
+
+def quantize_input(x: np.ndarray, fast: bool) -> np.ndarray:
+    """x (T, in) float32 C-contiguous -> its activations for the integer kernels (int8 if fast,
+    else 16-bit; `engine.kernels.int_dot`), long inputs on two threads: the same words either way
+    (each row is quantized alone)."""
+    from .kernels import int_dot
+
+    quantize = int_dot.quantize_activations_fast if fast else int_dot.quantize_activations
+    T = x.shape[0]
+    helper = _dequantize_helper() if T >= PARALLEL_QUANTIZE_ROWS else None
+    if helper is None:
+        return quantize(x)
+    words = (int_dot.fast_activation_words if fast else int_dot.activation_words)(x.shape[1])
+    out = np.empty((T, words), np.float32)
+    half = T // 2
+    job = helper.submit(quantize, x[half:], out[half:])
+    quantize(x[:half], out[:half])
+    job.result()
+    return out
+
+
+def products(layers, x: np.ndarray) -> list:
+    """[layer(x) for layer in layers], x (T, in) quantized once per kind of activations among
+    the integer layers (q, k and v read one input; so do gate and up)."""
+    x = np.ascontiguousarray(x, dtype=np.float32) if x.ndim == 2 else x
+    shared: dict = {}
+    out = []
+    for layer in layers:
+        kind = layer.takes_quantized(x) if isinstance(layer, QuantLinear) and x.ndim == 2 else None
+        if kind is None:
+            out.append(layer(x))
+            continue
+        if kind not in shared:
+            shared[kind] = quantize_input(x, kind == "fast")
+        out.append(layer(x, shared[kind]))
+    return out
+
+
 class QuantLinear:
     """y = x @ W.T computed from W's quantized GGUF blocks, W (out_features, in_features).
 
@@ -410,24 +453,35 @@ class QuantLinear:
             self._matvec = quant_matvec.Matvec(ggml_type, raw, in_features)  # checks the row length
             self.raw = self._matvec.raw
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        # x (T, in) float32 → (T, out) float32
+    def __call__(self, x: np.ndarray, xw: np.ndarray | None = None) -> np.ndarray:
+        # x (T, in) float32 → (T, out) float32. xw: x's quantized activations for this layer's
+        # integer kernels (`takes_quantized`, `quantize_input`), when several layers share x
         if (type(x) is np.ndarray and x.ndim == 2 and x.dtype == np.float32 and x.flags.c_contiguous
                 and x.shape[1] == self.in_features and 0 < x.shape[0] <= self.MATVEC_MAX_ROWS):
             if self._int is not None:
-                return self._int(x, np.empty((x.shape[0], self.out_features), dtype=np.float32), self.fast)
+                return self._int(x, np.empty((x.shape[0], self.out_features), dtype=np.float32), self.fast, xw)
             return self._matvec(x, np.empty((x.shape[0], self.out_features), dtype=np.float32))
         x2, lead = _as_rows(x, self.in_features)
         T = x2.shape[0]
         if T == 0:
             y = np.empty((0, self.out_features), np.float32)
         elif self._int is not None and T <= self.int_max_rows:
-            y = self._int(np.ascontiguousarray(x2), np.empty((T, self.out_features), dtype=np.float32), self.fast)
+            x2 = np.ascontiguousarray(x2)
+            if xw is None:
+                xw = quantize_input(x2, self.fast)
+            y = self._int(x2, np.empty((T, self.out_features), dtype=np.float32), self.fast, xw)
         elif T <= self.MATVEC_MAX_ROWS:
             y = self._matvec(x2, np.empty((T, self.out_features), dtype=np.float32))
         else:
             y = self._gemm(x2)
         return y.reshape(*lead, self.out_features)
+
+    def takes_quantized(self, x: np.ndarray) -> str | None:
+        """"exact" or "fast": the activations this layer's integer kernels take for x (T, in)
+        float32 C-contiguous, which `quantize_input(x, fast)` makes; None when x goes another way."""
+        if self._int is None or not 0 < x.shape[0] <= max(self.int_max_rows, self.MATVEC_MAX_ROWS):
+            return None
+        return "fast" if self.fast else "exact"
 
     def _gemm(self, x: np.ndarray) -> np.ndarray:
         T, n = x.shape[0], self.out_features

@@ -50,6 +50,30 @@ def test_a_layer_takes_the_integer_kernels_at_every_row_count_its_isa_allows(qty
         lin.rows(np.array([64]))
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_layers_sharing_an_input_quantize_it_once_and_compute_what_each_does_alone(fast, monkeypatch):
+    # q, k and v (gate and up) read one x: `products` quantizes it once per kind of activations,
+    # long inputs on two threads; every layer's output is bit-identical to calling it alone
+    layers = [QuantLinear(blocks(qt, 32, 256, seed=i), qt, 32, 256) for i, qt in enumerate((QT.Q4_0, QT.Q6_K, QT.Q8_0))]
+    layers.append(QuantLinear(blocks(QT.Q4_0, 32, 256), QT.Q4_0, 32, 256, arith="float"))
+    for lin in layers:
+        lin.fast = fast and lin.arith == "int"
+    calls = []
+    real = weights.quantize_input
+    monkeypatch.setattr(weights, "quantize_input", lambda x, f: calls.append(f) or real(x, f))
+    rng = np.random.default_rng(2)
+    for T in (1, 16, weights.PARALLEL_QUANTIZE_ROWS, 300):
+        x = rng.standard_normal((T, 256)).astype(np.float32)
+        calls.clear()
+        together = weights.products(layers, x)
+        assert calls == [fast] or T > layers[0].int_max_rows, (T, calls)
+        for lin, y in zip(layers, together):
+            assert np.array_equal(y.view(np.uint32), lin(x).view(np.uint32)), (T, lin.ggml_type)
+    quantize = int_dot.quantize_activations_fast if fast else int_dot.quantize_activations
+    x = rng.standard_normal((2 * weights.PARALLEL_QUANTIZE_ROWS + 1, 256)).astype(np.float32)
+    assert np.array_equal(real(x, fast).view(np.uint32), quantize(x).view(np.uint32))
+
+
 def test_float_arithmetic_on_request_and_for_types_without_integer_kernels(monkeypatch):
     raw = blocks(QT.Q4_0, 32, 256)
     assert QuantLinear(raw, QT.Q4_0, 32, 256, arith="float").raw is not None

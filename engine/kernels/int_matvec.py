@@ -2131,17 +2131,22 @@ class IntMatvec:
         fewest = -(-raw.shape[0] // MAX_CHUNKS)
         self.chunk = max(GROUP, (CHUNK_BYTES // raw.shape[1]) // GROUP * GROUP, -(-fewest // GROUP) * GROUP)
 
-    def __call__(self, x: np.ndarray, out: np.ndarray, fast: bool = False) -> np.ndarray:
+    def __call__(self, x: np.ndarray, out: np.ndarray, fast: bool = False, xw: np.ndarray | None = None) -> np.ndarray:
         """x C-contiguous float32 (T, in_features) -> out (T, rows), C-contiguous. fast: int8
-        activations (`int_dot.quantize_activations_fast`), else 16-bit."""
+        activations (`int_dot.quantize_activations_fast`), else 16-bit. xw: x already quantized
+        that way (several matrices reading one input quantize it once)."""
         from .pool import BUF_VALUES, run_rows
 
         if fast:
             if self.compute_fast is None:
                 self.compute_fast = compute_address(self.ggml_type, self.isa, True)
-            xw, compute = int_dot.quantize_activations_fast(x), self.compute_fast
+            compute = self.compute_fast
+            if xw is None:
+                xw = int_dot.quantize_activations_fast(x)
         else:
-            xw, compute = quantize_activations(x), self.compute
+            compute = self.compute
+            if xw is None:
+                xw = quantize_activations(x)
         # the pool shares a job of at most BUF_VALUES outputs per chunk: a long prompt goes in
         # slices of rows of x (the kernels compute a row the same in any batch, so slicing changes
         # no bit)

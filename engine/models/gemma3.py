@@ -10,7 +10,7 @@ import numpy as np
 from ..gguf_file import GGUFFile
 from ..kernels.norms import apply_rope, rms_norm
 from ..kv.cache import KVCache, LayerKVCache
-from ..weights import WeightStore
+from ..weights import WeightStore, products
 from .base import BaseModel, KVGeometry, gelu_tanh, rope_freq_scale, rope_tables
 
 ARCH = "gemma3"
@@ -82,9 +82,10 @@ class Attention:
     def __call__(self, x: np.ndarray, rope, cache: LayerKVCache) -> np.ndarray:
         a = self.args
         T = x.shape[0]
-        q = self.attn_q(x).reshape(T, a.n_heads, a.head_dim)  # (T, H, D)
-        k = self.attn_k(x).reshape(T, a.n_kv_heads, a.head_dim)  # (T, Hkv, D)
-        v = self.attn_v(x).reshape(T, a.n_kv_heads, a.value_dim)
+        q, k, v = products((self.attn_q, self.attn_k, self.attn_v), x)  # x quantized once
+        q = q.reshape(T, a.n_heads, a.head_dim)  # (T, H, D)
+        k = k.reshape(T, a.n_kv_heads, a.head_dim)  # (T, Hkv, D)
+        v = v.reshape(T, a.n_kv_heads, a.value_dim)
         q = rms_norm(q, self.attn_q_norm, a.norm_eps)  # per-head norm over D
         k = rms_norm(k, self.attn_k_norm, a.norm_eps)
         cos, sin = rope
@@ -100,7 +101,8 @@ class MLP:
         self.ffn_down = w.linear(f"{prefix}.ffn_down.weight", args.dim, args.ffn_dim)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.ffn_down(gelu_tanh(self.ffn_gate(x)) * self.ffn_up(x))
+        gate, up = products((self.ffn_gate, self.ffn_up), x)  # x quantized once
+        return self.ffn_down(gelu_tanh(gate) * up)
 
 
 class TransformerBlock:

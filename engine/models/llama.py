@@ -18,7 +18,7 @@ import numpy as np
 from ..gguf_file import GGUFFile
 from ..kernels.norms import rms_norm
 from ..kv.cache import KVCache, LayerKVCache
-from ..weights import WeightStore
+from ..weights import WeightStore, products
 from .base import BaseModel, KVGeometry, Rope, rope_freq_scale, silu
 
 ROPE_FREQS = "rope_freqs.weight"
@@ -93,7 +93,7 @@ class Attention:
     def __call__(self, x: np.ndarray, rope_tables, cache: LayerKVCache) -> np.ndarray:
         a = self.args
         T = x.shape[0]
-        q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        q, k, v = products((self.attn_q, self.attn_k, self.attn_v), x)  # x quantized once
         if self.bias_q is not None:
             q, k, v = q + self.bias_q, k + self.bias_k, v + self.bias_v
         q = q.reshape(T, a.n_heads, a.head_dim)  # (T, H, D)
@@ -114,8 +114,9 @@ class MLP:
         self.ffn_down = w.linear(f"{prefix}.ffn_down.weight", args.dim, args.ffn_dim)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        h = silu(self.ffn_gate(x))
-        h *= self.ffn_up(x)  # in place: the same product as silu(gate) * up
+        gate, up = products((self.ffn_gate, self.ffn_up), x)
+        h = silu(gate)
+        h *= up  # in place: the same product as silu(gate) * up
         return self.ffn_down(h)
 
 
