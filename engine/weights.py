@@ -33,6 +33,7 @@ from gguf.quants import dequantize
 
 from .gguf_file import GGUFError, GGUFFile, UnsupportedTensorType
 from .kernels import HAVE_NUMBA
+from .kernels.helper import helper_thread
 
 
 def _gguf_can_dequantize(ggml_type: GGMLQuantizationType) -> bool:
@@ -296,35 +297,6 @@ class DenseLinear:
 _tiles = threading.local()
 
 
-_helper_lock = threading.Lock()
-_helper: "concurrent.futures.ThreadPoolExecutor | None" = None
-_helper_made = False
-
-
-def _dequantize_helper():
-    """One worker thread that dequantizes the second half of large prefill tiles; None when the
-    weight kernels use one thread (OMLX_KERNEL_THREADS=1, or one CPU)."""
-    global _helper, _helper_made
-    if not _helper_made:
-        with _helper_lock:
-            if not _helper_made:
-                import concurrent.futures
-
-                from .kernels.pool import kernel_threads
-
-                if kernel_threads() > 1:
-                    _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omlx-dequantize")
-                _helper_made = True
-    return _helper
-
-
-def _forget_helper_in_child() -> None:  # a forked child has no helper thread: make a new one
-    global _helper, _helper_made, _helper_lock
-    _helper, _helper_made, _helper_lock = None, False, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_helper_in_child)
 
 
 def _tile_buffer(n_values: int) -> np.ndarray:
@@ -348,7 +320,7 @@ def quantize_input(x: np.ndarray, fast: bool) -> np.ndarray:
 
     quantize = int_dot.quantize_activations_fast if fast else int_dot.quantize_activations
     T = x.shape[0]
-    helper = _dequantize_helper() if T >= PARALLEL_QUANTIZE_ROWS else None
+    helper = helper_thread() if T >= PARALLEL_QUANTIZE_ROWS else None
     if helper is None:
         return quantize(x)
     words = (int_dot.fast_activation_words if fast else int_dot.activation_words)(x.shape[1])
@@ -508,7 +480,7 @@ class QuantLinear:
         kernels release the GIL): BLAS uses every core for the product, dequantizing on one left
         the others idle for ~8% of a 1B model's prefill."""
         n = stop - start
-        helper = _dequantize_helper() if n >= self.PARALLEL_DEQUANTIZE_ROWS else None
+        helper = helper_thread() if n >= self.PARALLEL_DEQUANTIZE_ROWS else None
         if helper is None:
             self._dequantize_part(start, stop, tile)
             return

@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..kernels import HAVE_NUMBA, background
+from ..kernels import HAVE_NUMBA, background, helper
 from .pool import LayerBlockPool
 
 if HAVE_NUMBA:
@@ -258,14 +258,14 @@ class BatchedAttention:
         lo = np.zeros(T, np.int64) if window is None else np.maximum(0, q_pos - window + 1 - old_first)
         Dv = values.shape[-1]
         out = np.empty((T, Hkv, G, Dv), np.float32)
-        # Rows in blocks of ATTEND_ROWS queries, each over the columns its rows can see: the score
-        # matrix stays small (peak memory at long contexts) and the causal triangle is skipped.
-        for r0 in range(0, T, ATTEND_ROWS):
-            r1 = min(T, r0 + ATTEND_ROWS)
-            n, c_lo, c_hi = r1 - r0, int(lo[r0]), int(hi[r1 - 1])
-            q_rows = q4[:, :, r0:r1]  # (Hkv, G, n, D)
-            scores = np.matmul(q_rows.reshape(Hkv, G * n, D), keys[:, c_lo:c_hi].transpose(0, 2, 1))
-            s4 = scores.reshape(Hkv, G, n, c_hi - c_lo)
+
+        def rows(r0: int, r1: int, h0: int, h1: int):
+            """out[r0:r1, h0:h1]; returns the columns c_lo:c_hi and those KV heads' attention mass
+            over them (None when not tracked)."""
+            n, c_lo, c_hi, nh = r1 - r0, int(lo[r0]), int(hi[r1 - 1]), h1 - h0
+            q_rows = q4[h0:h1, :, r0:r1]  # (nh, G, n, D)
+            scores = np.matmul(q_rows.reshape(nh, G * n, D), keys[h0:h1, c_lo:c_hi].transpose(0, 2, 1))
+            s4 = scores.reshape(nh, G, n, c_hi - c_lo)
             row_fixes = []  # (rows a:b of this block, columns a..b of s4, recent columns c0:c1)
             for t0, t1, c0, c1 in fixes:
                 a, b = max(t0, r0) - r0, min(t1, r1) - r0
@@ -274,10 +274,9 @@ class BatchedAttention:
                     cols = (L_old + c0 - c_lo, L_old + c1 - c_lo)
                     row_fixes.append((a, b, cols, c0, c1))
                     s4[:, :, a:b, cols[0] : cols[1]] = np.matmul(
-                        q_rows[:, :, a:b], recent_k[:, None, c0:c1].transpose(0, 1, 3, 2))
+                        q_rows[:, :, a:b], recent_k[h0:h1, None, c0:c1].transpose(0, 1, 3, 2))
             kv_codes.masked_softmax(scores, lo[r0:r1] - c_lo, hi[r0:r1] - c_lo, np.float32(scale))
-            if view.mass is not None:  # key positions old_first + c_lo .. are contiguous
-                view.mass[c_lo:c_hi] += scores.sum(axis=(0, 1))
+            mass = scores.sum(axis=(0, 1)) if view.mass is not None else None
             # The fixed regions' weights go to the full-precision values instead of the stored
             # ones (taken out of the big product rather than corrected by a difference, so that a
             # float16 cache, where both copies are equal, gives bit-identical results).
@@ -285,10 +284,23 @@ class BatchedAttention:
             for a, b, (x0, x1), _, _ in row_fixes:
                 p_fix.append(s4[:, :, a:b, x0:x1].copy())
                 s4[:, :, a:b, x0:x1] = 0
-            o = np.matmul(scores, values[:, c_lo:c_hi]).reshape(Hkv, G, n, Dv)
+            o = np.matmul(scores, values[h0:h1, c_lo:c_hi]).reshape(nh, G, n, Dv)
             for (a, b, _, c0, c1), p in zip(row_fixes, p_fix):
-                o[:, :, a:b] += np.matmul(p, recent_v[:, None, c0:c1])
-            out[r0:r1] = o.transpose(2, 0, 1, 3)
+                o[:, :, a:b] += np.matmul(p, recent_v[h0:h1, None, c0:c1])
+            out[r0:r1, h0:h1] = o.transpose(2, 0, 1, 3)
+            return c_lo, c_hi, mass
+
+        # Rows in blocks of ATTEND_ROWS queries, each over the columns its rows can see (the
+        # score matrix stays small, at long contexts too, and the causal triangle is skipped),
+        # one KV head at a time: the pieces shared between two threads, each calling BLAS on one
+        # thread (`helper`: no BLAS barrier per call). The pieces are the same whatever the
+        # threads, so the result is too.
+        tasks = [(r0, min(T, r0 + ATTEND_ROWS), h, h + 1) for r0 in range(0, T, ATTEND_ROWS) for h in range(Hkv)]
+        with helper.one_blas_thread():
+            parts = helper.share(rows, tasks)
+        if view.mass is not None:  # key positions old_first + c_lo .. are contiguous
+            for c_lo, c_hi, mass in parts:
+                view.mass[c_lo:c_hi] += mass
         return out.reshape(T, H, Dv)
 
 

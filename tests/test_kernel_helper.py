@@ -1,0 +1,68 @@
+"""The second Python thread (`engine.kernels.helper`): work shared in task order, BLAS held to one
+thread and given back, and a prefill's attention the same bits with or without the helper."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine.engine import Engine
+from engine.kernels import helper
+
+
+def test_share_gives_results_in_task_order_from_both_threads():
+    ran_on = []
+
+    def task(i):
+        ran_on.append(threading.current_thread().name)
+        time.sleep(0.01)  # releases the GIL, as numpy and the kernels do
+        return i * i
+
+    assert helper.share(task, [(i,) for i in range(12)]) == [i * i for i in range(12)]
+    if helper.helper_thread() is not None:
+        assert len(set(ran_on)) == 2
+    assert helper.share(task, []) == []
+
+
+def test_a_failing_task_raises_after_both_threads_stopped():
+    def task(i):
+        if i == 3:
+            raise ValueError("task 3")
+        time.sleep(0.005)
+
+    with pytest.raises(ValueError, match="task 3"):
+        helper.share(task, [(i,) for i in range(8)])
+    assert helper.share(lambda i: i, [(1,), (2,)]) == [1, 2]  # the helper is still usable
+
+
+def test_one_blas_thread_inside_the_block_and_the_count_restored():
+    from threadpoolctl import threadpool_info
+
+    def blas_threads():
+        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+    before = blas_threads()
+    with helper.one_blas_thread():
+        assert set(blas_threads()) <= {1}
+    assert blas_threads() == before
+
+
+@pytest.mark.parametrize("spec", ["full", "k6v4"])
+def test_prefill_attention_is_the_same_with_and_without_the_helper(smollm2_path, monkeypatch, spec):
+    engine = Engine.load(smollm2_path)
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 40)[:300]
+
+    def logits():
+        cache = engine.new_cache(spec)
+        try:
+            return engine.prefill(ids, cache)
+        finally:
+            cache.release()
+
+    shared = logits()
+    monkeypatch.setattr(helper, "helper_thread", lambda: None)
+    alone = logits()
+    assert np.array_equal(shared.view(np.uint32), alone.view(np.uint32))
