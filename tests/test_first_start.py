@@ -64,6 +64,38 @@ def test_warm_up_compiles_only_the_types_asked_for():
     assert out["pool_ready"] and out["y"] == 0.0
 
 
+def test_integer_kernels_load_from_the_disk_cache_in_a_second_process(tmp_path):
+    """The integer kernels are made at import from `INT_TYPES` (not written out): a first process
+    with an empty cache compiles Q4_0's (exact and fast) and no other type's, a second one loads
+    them from numba's disk cache without compiling anything."""
+    from engine.kernels import int_dot
+
+    if int_dot.kernel_isa() == "float":
+        pytest.skip("no integer kernels on this CPU")
+    code = """
+        import json
+        from gguf.constants import GGMLQuantizationType as QT
+        from engine.kernels import int_dot, int_matvec as m
+        isa = int_dot.kernel_isa()
+        m.warm_up([QT.Q4_0], isa)
+        m.warm_up([QT.Q4_0], isa, fast=True)
+        loops = [n for n in dir(m) if n.startswith(("_irows_", "_frows_"))]
+        print(json.dumps({"hits": sorted(f.cache_hits for f in m._cfuncs.values()),
+                          "compiled": sorted(n for n in loops if getattr(m, n).signatures)}))
+    """
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    runs = []
+    for _ in range(2):
+        proc = _python(code, env=env)
+        assert proc.returncode == 0, proc.stderr
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    isa = int_dot.kernel_isa()
+    assert runs[0] == {"hits": [0, 0], "compiled": [f"_frows_q4_0_{isa}", f"_irows_q4_0_{isa}"]}
+    assert runs[1] == {"hits": [1, 1], "compiled": []}
+    cached = {p.name.split("-")[0] for p in (tmp_path / "numba").rglob("int_matvec.*.nbi")}
+    assert cached == {f"int_matvec.{kind}_q4_0_{isa}" for kind in ("_c", "_cf", "_irows", "_frows")}
+
+
 def test_deferred_pool_gives_the_same_products(monkeypatch):
     """While the pool is held back (its functions compiling elsewhere) a matvec runs on the
     calling thread alone: the same numbers, bit for bit (each output row is one thread's dot)."""

@@ -161,6 +161,26 @@ def test_activation_quantizer_matches_its_emulation():
     assert np.all(q_ref[:, 96:128] == 0)
 
 
+def test_kernels_are_made_for_every_declared_type_and_instruction_set():
+    """`INT_TYPES` and `int_dot.ISA_LANES` are the only lists: each (type, instruction set, mode)
+    has a row loop calling its own intrinsics and a compute function calling that loop, functions
+    of int_matvec's own file under their own names (numba's cache files them by file and name)."""
+    want = {(t, isa) for t in int_matvec.INT_TYPES for isa in int_dot.ISA_LANES}
+    names = set()
+    for computes, rows, gdots in ((int_matvec._COMPUTE_PY, int_matvec._ROWS, int_matvec._GDOT),
+                                  (int_matvec._COMPUTE_FAST_PY, int_matvec._ROWS_FAST, int_matvec._GDOT_FAST)):
+        assert set(computes) == set(rows) == want
+        for key in want:
+            loop, compute = rows[key].py_func, computes[key]
+            for fn in (loop, compute):
+                assert fn.__code__.co_filename == int_matvec.__file__ and fn.__globals__ is vars(int_matvec)
+                assert getattr(int_matvec, fn.__qualname__) in (fn, rows[key]) and fn.__qualname__ not in names
+                names.add(fn.__qualname__)
+            called = [getattr(int_matvec, n) for n in loop.__code__.co_names if n.startswith(("_g_", "_f_"))]
+            assert called == [gdots[(*key, n)] for n in (4, 2, 1)]
+            assert getattr(int_matvec, compute.__code__.co_names[0]) is rows[key]
+
+
 @pytest.mark.parametrize("isa", INT_ISAS)
 def test_assembly_uses_the_integer_instructions(isa):
     packed = int_matvec.repack(blocks(QT.Q4_0, 16, 64), QT.Q4_0)
