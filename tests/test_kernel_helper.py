@@ -1,5 +1,6 @@
 """The second Python thread (`engine.kernels.helper`): work shared in task order, BLAS held to one
-thread and given back, and a prefill's attention the same bits with or without the helper."""
+thread and given back, and a prefill (its attention and quantized inputs, which share work with the
+helper) the same bits with or without it, on both architectures' paths."""
 
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ def test_one_blas_thread_inside_the_block_and_the_count_restored():
     assert blas_threads() == before
 
 
-@pytest.mark.parametrize("spec", ["full", "k6v4"])
-def test_prefill_attention_is_the_same_with_and_without_the_helper(smollm2_path, monkeypatch, spec):
-    engine = Engine.load(smollm2_path)
+@pytest.mark.parametrize("model,spec", [("smollm2", "full"), ("smollm2", "k6v4"), ("gemma3", "k6v4")])
+def test_a_prefill_is_the_same_with_and_without_the_helper(smollm2_path, gemma3_path, monkeypatch, model, spec):
+    engine = Engine.load(smollm2_path if model == "smollm2" else gemma3_path)
     ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 40)[:300]
 
     def logits():
