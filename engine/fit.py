@@ -35,7 +35,11 @@ from .errors import DoesNotFit
 
 MiB = 1 << 20
 RUNTIME_BYTES = 144 * MiB
-KERNEL_BYTES_PER_WEIGHT_TYPE = 20 * MiB
+# Per quantized weight type (its kernels, compiled or loaded, and what they allocate): it varies
+# with the machine. The estimate without it against measured peaks: on an AMD EPYC with AVX2 only,
+# Gemma3 (4 types) 15% under; on a Xeon with AVX-512 VNNI, SmolLM2 (2 types) 4% over and Gemma3
+# 1-7% under (the same there with OMLX_KERNELS=avx2). With 10 MiB both are within 11%.
+KERNEL_BYTES_PER_WEIGHT_TYPE = 10 * MiB
 DECODE_FLOOR_BYTES = 68 * MiB
 TOKENIZER_BYTES_PER_ENTRY = 384
 ATTENTION_SCORE_COPIES = 3  # scores, their masked copy, the softmax output (float32 each)
