@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -20,12 +20,14 @@ from .kv.config import KVConfig, parse_kv
 from .kv.formats import get_format
 from .errors import KVPoolFull, SettingsError
 from .kv.paged import ContextFull
-from .memory import PeakRSS, release_free_heap
+from .memory import release_free_heap
 from .models import load_model
 from .models.base import BaseModel
 from .decoding import STOP, TokenStream
-from .speculate import SPECULATE_MODES, DraftModel, PromptLookup, agreed_tokens
+from .prefix_store import PrefixStore
+from .speculate import agreed_tokens, check_draft, draft_room, drafter_for
 from .sampling import SamplingParams, log_softmax  # noqa: F401  (log_softmax re-exported: its old home)
+from .stats import GenerationStats, TurnMeter
 from .tokenizer import Tokenizer, TokenizerError
 from .weights import ARITH_ENV, DenseLinear, QuantLinear, arith_mode, check_arith
 from .warmup import start_warm_up
@@ -38,29 +40,6 @@ _LOGPROB_ROWS = 64
 
 
 from .errors import EngineError  # noqa: E402,F401  (re-exported: callers import it from here)
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    ttft_s: float = 0.0  # request start → first generated token sampled
-    prefill_tok_s: float = 0.0
-    decode_tok_s: float = 0.0  # tokens after the first / time after the first
-    total_s: float = 0.0
-    peak_rss_bytes: int = 0
-    kv_bytes: int = 0  # KV bytes this sequence holds (block rows in use + tail/sink buffers)
-    kv_capacity_bytes: int = 0  # KV bytes allocated (whole pool slabs)
-    cached_tokens: int = 0  # prompt tokens reused from the KV cache instead of prefilled
-    cache_source: str = "none"  # where they came from: "memory", "disk" or "none"
-    dropped_tokens: int = 0  # tokens the overflow policy dropped during this turn
-    drafted_tokens: int = 0  # speculative decoding: tokens drafted by prompt lookup
-    accepted_tokens: int = 0  # of those, the ones the model agreed with (kept without a step of their own)
-    pinned_tokens: int = 0  # prompt tokens of pinned documents (and system prompt) held pinned
-    arith: str = "exact"  # the weight arithmetic the turn ran in (weights.ARITH_MODES)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -126,14 +105,13 @@ class Engine:
         self.name = str(gguf.get("general.name") or gguf.path.stem)
         self.kv_config = parse_kv(kv)
         self.kv_config.per_layer(model.n_layers)  # an override past the last layer fails here
+        # the prefix caches' settings (self.prefixes reads them at each call):
         self.disk_cache = True  # save pinned prefixes under the user's cache folder
         self.master_copies = True  # pinned prefixes computed once in the 8-bit master layout (kv.requantize)
         self.prefix_capacity_tokens = 2 * model.context_length
         self.speculate = "off"  # SPECULATE_MODES: "lookup" drafts by prompt lookup, verified in one pass
         self.draft_engine: "Engine | None" = None  # --draft MODEL: drafts by this model instead (set_draft)
-        self._prefix = None
-        self._master = None  # the master layout's PrefixCache (kv.requantize), when not _prefix
-        self._prefix_lock = threading.Lock()
+        self.prefixes = PrefixStore(self)  # the prefix caches: this layout's and its master's
         self._model_id: str | None = None
         # the weight products' arithmetic (weights.ARITH_MODES): "float" when the file was loaded
         # with OMLX_ARITH=float or no matrix has integer kernels, else "exact" or "fast"
@@ -228,38 +206,9 @@ class Engine:
         return self._model_id
 
     def prefix_cache(self):
-        """The shared block pools and prefix cache for the current KV config. A new config gets
-        a new cache (so does turning ``disk_cache`` on or off); the old one's blocks are released
-        when the sessions holding it move on."""
-        from .kv.prefix import PrefixCache, PrefixDiskStore
-
-        with self._prefix_lock:  # two threads must never each make their own
-            if self._prefix is None or self._prefix.config != self.kv_config \
-                    or self._prefix.model_id != self.compute_id \
-                    or (self._prefix.disk is not None) != self.disk_cache:
-                if self._prefix is not None:
-                    self._prefix.clear()
-                disk = PrefixDiskStore() if self.disk_cache else None
-                self._prefix = PrefixCache(self.model, self.kv_config, model_id=self.compute_id,
-                                           capacity_tokens=self.prefix_capacity_tokens, disk=disk)
-                self._prefix.master = self._master_for(self._prefix)
-            return self._prefix
-
-    def _master_for(self, cache):
-        """The master layout's PrefixCache for `cache` (kept while the master layout stays the
-        same, so its memory survives a switch between derived presets); None when `cache` is
-        the master layout itself or cannot be derived from it."""
-        from .kv.prefix import PrefixCache
-
-        if not self.master_copies or cache.is_master or not cache.can_derive():
-            if cache.is_master:
-                self._master = None
-            return None
-        if self._master is None or self._master.config != cache.master_config \
-                or (self._master.disk is None) != (cache.disk is None) or self._master.model_id != cache.model_id:
-            self._master = PrefixCache(self.model, cache.master_config, model_id=cache.model_id,
-                                       capacity_tokens=self.prefix_capacity_tokens, disk=cache.disk)
-        return self._master
+        """The shared block pools and prefix cache for the current KV config (PrefixStore.cache:
+        a new config, disk setting or arithmetic gets a new one)."""
+        return self.prefixes.cache()
 
     def prefill_master(self, ids: Sequence[int], progress: Callable[[int, int], None] | None = None,
                        cancel: threading.Event | None = None) -> int:
@@ -267,27 +216,7 @@ class Engine:
         see kv.requantize) and save them, so the current layout and every other derivable one
         take them without prefilling again. Returns the prefix tokens the master now holds in
         memory (0 when the current layout has no master to derive from)."""
-        cache = self.prefix_cache()
-        master = cache.master
-        if master is None or not cache.derives_from_master:
-            return 0
-        n_blocks = len(ids) // master.B
-        if n_blocks == 0:
-            return 0
-        seq = master.new_sequence()
-        try:
-            reuse = master.attach(seq, ids[: n_blocks * master.B])
-            todo = ids[reuse.tokens : n_blocks * master.B]
-            if todo:
-                log.info("prefilling %d prefix tokens into the 8-bit master copy", len(todo))
-                if self.prefill(todo, seq, progress, cancel) is None:
-                    return 0
-            keys = master.chain_keys(ids, n_blocks)
-            n = master.usable_blocks(keys)
-            master.save(keys[:n])
-            return n * master.B
-        finally:
-            seq.release()
+        return self.prefixes.prefill_master(ids, progress, cancel)
 
     def switch_cost(self, kv: str | KVConfig, prefix_ids: Sequence[int]) -> dict:
         """What switching to `kv` costs the pinned prefix `prefix_ids` (its full blocks):
@@ -295,52 +224,13 @@ class Engine:
         would come from: "current" (same layout), "memory", "disk" (saved under that layout),
         "master" (derived from the master copy), "none" (no prefix), or "prefill"}. Reads no
         block and changes nothing (safe to call before a switch)."""
-        from .kv.prefix import chain_keys_from, chain_root, layout_signature
-        from .kv.requantize import derivable, master_config
-
-        config = parse_kv(kv)
-        config.per_layer(self.model.n_layers)
-        B = config.block_size
-        n_blocks = len(prefix_ids) // B
-        if n_blocks == 0:
-            return {"reread": 0, "source": "none"}
-        if config == self.kv_config:
-            return {"reread": 0, "source": "current"}
-        n_layers = self.model.n_layers
-
-        def found(cfg) -> tuple[int, str]:
-            """Leading blocks of the prefix held under layout `cfg` in memory or on disk."""
-            sig = layout_signature(cfg, n_layers)
-            keys = chain_keys_from(chain_root(self.model_id, sig), B, prefix_ids, n_blocks)
-            best, where = 0, "none"
-            for cache in (self._prefix, self._master):
-                if cache is not None and cache.signature == sig:
-                    n = cache.usable_blocks(keys)
-                    if n > best:
-                        best, where = n, "memory"
-            if self.disk_cache:
-                from .kv.prefix import PrefixDiskStore
-
-                n = PrefixDiskStore().saved_blocks(keys)
-                if n > best:
-                    best, where = n, "disk"
-            return best, where
-
-        own, where = found(config)
-        if own == n_blocks:
-            return {"reread": 0, "source": where}
-        if derivable(config, n_layers):
-            master, _ = found(master_config(config))
-            if master == n_blocks:
-                return {"reread": 0, "source": "master"}
-            own = max(own, master)
-        return {"reread": (n_blocks - own) * B, "source": "prefill"}
+        return self.prefixes.switch_cost(kv, prefix_ids)
 
     def kv_usage(self) -> tuple[int, int]:
-        """(bytes in use, bytes allocated) of the current prefix cache's pools, (0, 0) before
-        there is one. Never creates one: safe to poll from a monitoring thread."""
-        caches = [c for c in (self._prefix, self._master) if c is not None]  # the master: kv.requantize
-        return sum(c.nbytes for c in caches), sum(c.capacity_bytes for c in caches)
+        """(bytes in use, bytes allocated) of the current prefix cache's pools and its master
+        copy's, (0, 0) before there is one. Never creates one: safe to poll from a monitoring
+        thread."""
+        return self.prefixes.usage()
 
     def kv_scheme(self) -> list[tuple[str, str, str]]:
         """Per-layer K/V formats, run-length grouped: [(layers, K format, V format)]."""
@@ -480,13 +370,7 @@ class Engine:
                 f"the prompt is {len(prompt_ids):,} tokens but the context holds {limit:,} "
                 f"({cache.offset:,} already used)"
             )
-        speculate = self.speculate if speculate is None else speculate
-        if speculate not in SPECULATE_MODES:
-            raise SettingsError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {speculate!r}")
-        if self.draft_engine is not None:
-            drafter = DraftModel(self.draft_engine, max_draft=self.exact_batch_rows() - 1)
-        else:
-            drafter = PromptLookup(max_draft=self.exact_batch_rows() - 1) if speculate == "lookup" else None
+        drafter = drafter_for(self, self.speculate if speculate is None else speculate)
         holder: list[GenerationResult] = []
         return Generation(
             self._run(list(prompt_ids), max_tokens, sampling, stop, cache, cancel, prefill_progress, holder,
@@ -502,48 +386,21 @@ class Engine:
             SettingsError: the vocabularies differ (a drafted id would mean another token).
         """
         if draft is not None:
-            # the same byte string for every id (the tokenizer's own table)
-            if (self.model.vocab_size != draft.model.vocab_size
-                    or self.tokenizer._pieces != draft.tokenizer._pieces):
-                raise SettingsError(f"the draft model {draft.name} does not have {self.name}'s vocabulary")
+            check_draft(self, draft)
         self.draft_engine = draft
 
-    @staticmethod
-    def draft_room(cache: KVCache, limit: int, max_more: int) -> int:
-        """Draft tokens a verify pass may add after the next token: no drop by the overflow
-        policy, the plain loop's context check still ahead, no more than the answer may take."""
-        room = min(VerifyBatch.room(cache), limit - cache.offset) - 1  # the next token's own row
-        if not cache.can_drop:
-            room -= 1  # keep `offset + 1 < limit` for the step after, as the plain loop checks
-        return max(0, min(room, max_more))
+    draft_room = staticmethod(draft_room)  # speculate.draft_room: the scheduler asks it here
 
     def _run(self, prompt_ids, max_tokens, sampling, stop, cache, cancel, prefill_progress, holder,
              drafter=None, processors=()):
-        peak = PeakRSS()
-        stats = GenerationStats(prompt_tokens=len(prompt_ids), arith=self.arith)
-        t_start = time.perf_counter()
-        dropped_before = cache.dropped_tokens
+        meter = TurnMeter(len(prompt_ids), self.arith, cache)
         limit = self._limit(cache)
 
         def finish(reason: str, ids: list[int], text: str, t_first: float | None):
-            now = time.perf_counter()
-            stats.generated_tokens = len(ids)
-            stats.total_s = now - t_start
-            if t_first is not None and len(ids) > 1:
-                stats.decode_tok_s = (len(ids) - 1) / max(now - t_first, 1e-9)
-            stats.peak_rss_bytes = max(peak.peak, peak.sample())
-            stats.kv_bytes = cache.nbytes
-            stats.kv_capacity_bytes = cache.capacity_bytes
-            stats.dropped_tokens = cache.dropped_tokens - dropped_before
-            if drafter is not None:
-                stats.drafted_tokens, stats.accepted_tokens = drafter.drafted, drafter.accepted
-            log.info("generation: peak RSS %.1f MiB, KV %.2f MiB in use, %.2f MiB allocated (%s)",
-                     stats.peak_rss_bytes / 2**20, stats.kv_bytes / 2**20,
-                     stats.kv_capacity_bytes / 2**20, reason)
-            holder.append(GenerationResult(ids, text, reason, stats))
+            holder.append(GenerationResult(ids, text, reason, meter.finish(reason, len(ids), t_first, drafter)))
 
         def prefill_tick(done: int, total: int):
-            peak.sample()
+            meter.sample_memory()
             if prefill_progress:
                 prefill_progress(done, total)
 
@@ -551,8 +408,7 @@ class Engine:
         if logits is None:
             finish("cancelled", [], "", None)
             return
-        t_prefilled = time.perf_counter()
-        stats.prefill_tok_s = len(prompt_ids) / max(t_prefilled - t_start, 1e-9)
+        meter.prefilled()
         stream = TokenStream(self.tokenizer, prompt_ids, sampling=sampling, stop=stop, max_tokens=max_tokens,
                              processors=processors)
         reason = None
@@ -565,8 +421,7 @@ class Engine:
                 first = stream.first_token_at is None
                 token, text, finished = stream.push(logits)[:3]
                 if first:
-                    stats.ttft_s = stream.first_token_at - t_start
-                    background.note_first_token(stats.ttft_s)
+                    background.note_first_token(meter.first_token(stream.first_token_at))
                 if finished == STOP:
                     break
                 yield StreamChunk(token, text)
@@ -578,7 +433,7 @@ class Engine:
                 reason = "context_full"
                 break
             try:
-                room = self.draft_room(cache, limit, max_tokens - stream.n_generated - 1) if drafter else 0
+                room = draft_room(cache, limit, max_tokens - stream.n_generated - 1) if drafter else 0
                 draft = drafter.draft(stream.history, room) if room else []
                 if draft:
                     # token + draft in one pass; the stream takes what the acceptance rule keeps,
@@ -603,7 +458,7 @@ class Engine:
                 reason = "kv_pool_full"
                 break
             if stream.n_generated % 16 == 0:
-                peak.sample()
+                meter.sample_memory()
         tail = stream.finish(reason)
         if tail:
             yield StreamChunk(-1, tail)

@@ -14,6 +14,8 @@ distribution: a drafted token d is kept with probability p(d) (the draft is dete
     DraftModel      the drafter for `--draft MODEL`: a small model of the same vocabulary, greedy
     accept_draft    the acceptance rule over the verified rows (TokenStream.verify takes its tokens)
     agreed_tokens   how many drafted tokens the verified steps kept
+    drafter_for, check_draft, draft_room   an Engine's speculation setup: the drafter of an
+                    answer, the draft model's vocabulary check, the rows a verify pass may add
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from .errors import SettingsError
+from .kv.batch import VerifyBatch
 from .sampling import Sampler
 
 MAX_NGRAM = 3
@@ -144,6 +148,40 @@ class DraftModel:
         release = getattr(self.cache, "release", None)
         if release is not None:
             release()
+
+
+def drafter_for(engine, speculate: str) -> PromptLookup | DraftModel | None:
+    """The drafter of one answer of `engine`: over its draft model when it has one (`--draft`,
+    whatever `speculate` says), prompt lookup for "lookup", else None. Drafts are at most
+    engine.exact_batch_rows() - 1 tokens: with the token before them, the rows one verify pass
+    computes exactly as each alone.
+
+    Raises:
+        SettingsError: `speculate` is not one of SPECULATE_MODES.
+    """
+    if speculate not in SPECULATE_MODES:
+        raise SettingsError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {speculate!r}")
+    max_draft = engine.exact_batch_rows() - 1
+    if engine.draft_engine is not None:
+        return DraftModel(engine.draft_engine, max_draft=max_draft)
+    return PromptLookup(max_draft=max_draft) if speculate == "lookup" else None
+
+
+def check_draft(engine, draft) -> None:
+    """Raises SettingsError unless the engine `draft` may draft for `engine`: the same byte
+    string for every id (the tokenizer's own table), or a drafted id would mean another token."""
+    if (engine.model.vocab_size != draft.model.vocab_size
+            or engine.tokenizer._pieces != draft.tokenizer._pieces):
+        raise SettingsError(f"the draft model {draft.name} does not have {engine.name}'s vocabulary")
+
+
+def draft_room(cache, limit: int, max_more: int) -> int:
+    """Draft tokens a verify pass may add after the next token: no drop by the overflow policy,
+    the plain loop's context check still ahead, no more than the answer may take."""
+    room = min(VerifyBatch.room(cache), limit - cache.offset) - 1  # the next token's own row
+    if not cache.can_drop:
+        room -= 1  # keep `offset + 1 < limit` for the step after, as the plain loop checks
+    return max(0, min(room, max_more))
 
 
 def agreed_tokens(steps: Sequence, draft: Sequence[int]) -> int:
