@@ -239,7 +239,7 @@ class RemoteSession(MessageLog):
 
     def _system_content(self) -> str | None:
         # The same wording as the local session's, so a document reads the same to either model.
-        from .session import system_content
+        from .prompt import system_content
 
         return system_content(self.system_prompt, [d for d in self.documents if d.pinned])
 

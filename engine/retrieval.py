@@ -493,6 +493,20 @@ def sections(chosen: Iterable[Candidate], count: Callable[[str], int] | None = N
     return out
 
 
+def fit_sections(chosen: Sequence[Candidate], count: Callable[[str], int],
+                 fits: Callable[[list[Section]], bool]) -> list[Section]:
+    """`sections(chosen, count)`, the weakest chunk (the lowest score, the later one of a tie)
+    left out until `fits` takes them or one chunk is left: `select` estimated each label's
+    tokens, and the rendered prompt may take more."""
+    chosen = list(chosen)
+    while True:
+        found = sections(chosen, count)
+        if len(chosen) <= 1 or fits(found):
+            return found
+        weakest = min(range(len(chosen)), key=lambda i: (chosen[i].score, -i))
+        chosen = chosen[:weakest] + chosen[weakest + 1:]
+
+
 def render_sections(document: str, found: Sequence[Section]) -> str:
     """The text the model is shown for one document's sections (deterministic: the same
     sections give the same text)."""

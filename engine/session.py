@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .engine import Engine, EngineError, Generation, GenerationResult, StreamChunk
-from .kv.paged import OVERFLOW_POLICIES, PagedKVCache
-from .kv.prefix import PrefixCache
+from .prompt import PromptLayout, system_content  # noqa: F401  (system_content: its old home)
 from .sampling import SamplingParams
+from .session_kv import SessionKV
 
 log = logging.getLogger("omlx.session")
 
@@ -34,7 +34,7 @@ ANSWER_RESERVE = 256  # context tokens a pinned prefix must leave for a question
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".text", ".rst", ".csv", ".log", ".json", ".py"}
 
 
-from .documents import document_text, plain_text, read_document  # noqa: E402,F401  (read_document: its old home)
+from .documents import document_text, read_document  # noqa: E402,F401  (read_document: its old home)
 from .errors import DocumentError  # noqa: E402,F401
 from .retrieval import (  # noqa: E402,F401  (the budget, also for Session's callers)
     MIN_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS, check_retrieval_tokens,
@@ -55,31 +55,6 @@ class Document:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     mode: str = "whole"  # how it is in the prompt now: "whole", or "retrieval" (sections per question)
     index: object | None = None  # its engine.retrieval.DocumentIndex once it needed one
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def system_content(system_prompt: str | None, documents: Sequence, sections: Sequence = ()) -> str | None:
-    """The system turn every source renders the same way: the system prompt, each whole document
-    (``.name``, ``.text``), then retrieved ``sections`` (engine.retrieval.Section) grouped per
-    document in the order they come; None when there is nothing."""
-    from .retrieval import render_sections
-
-    parts = [system_prompt] if system_prompt else []
-    if documents or sections:
-        parts.append("Answer using these documents.")
-        for d in documents:
-            parts.append(f"Document: {d.name}\n\n{plain_text(d.text).strip()}")
-        names = list(dict.fromkeys(s.document for s in sections))
-        for name in names:
-            parts.append(render_sections(name, [s for s in sections if s.document == name]))
-    return "\n\n".join(parts) if parts else None
 
 
 class MessageLog:
@@ -140,9 +115,7 @@ class Session(MessageLog):
         if not 64 <= self.ctx <= engine.model.context_length:
             raise EngineError(f"ctx must be between 64 and the model's context of "
                               f"{engine.model.context_length:,} tokens, not {self.ctx:,}")
-        if overflow not in OVERFLOW_POLICIES:
-            raise EngineError(f"overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}, not {overflow!r}")
-        self.overflow = overflow
+        self.kv = SessionKV(engine, self.ctx, overflow, on_new_cache=self._documents_uncached)
         if doc_mode not in DOC_MODES:
             raise EngineError(f"document mode must be one of {', '.join(DOC_MODES)}, not {doc_mode!r}")
         self.doc_mode = doc_mode
@@ -155,25 +128,27 @@ class Session(MessageLog):
         self.last_sections: list = []  # engine.retrieval.Section: what the last turn was shown
         self.documents: list[Document] = []
         self.messages: list[dict] = []
-        self._cache: PrefixCache | None = None
-        self._live: PagedKVCache | None = None
-        self._pinned_keys: list[bytes] = []
-        self._saved_key: bytes | None = None
-        self._prefix_memo: tuple[str, str, list[int]] | None = None  # (system content, text, ids)
-        self._master_prefilled = 0  # tokens the last _sequence_for prefilled into the master copy
+        self.layout = PromptLayout(engine)
 
     # -- settings -------------------------------------------------------------------------
+    @property
+    def overflow(self) -> str:
+        """The overflow policy of the conversation's sequence (set_overflow changes it)."""
+        return self.kv.overflow
+
+    @property
+    def _live(self):
+        """The live sequence (SessionKV.live): benchmarks read its offset."""
+        return self.kv.live
+
     def set_overflow(self, policy: str) -> None:
-        if policy not in OVERFLOW_POLICIES:
-            raise EngineError(f"overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}, not {policy!r}")
-        self.overflow = policy
-        self._release_live()
+        self.kv.set_overflow(policy)
 
     def set_ctx(self, ctx: int) -> None:
         if not 64 <= ctx <= self.engine.model.context_length:
             raise EngineError(f"ctx must be between 64 and {self.engine.model.context_length:,}")
         self.ctx = int(ctx)
-        self._release_live()
+        self.kv.set_limit(self.ctx)
         self._plan()
         self._repin()
 
@@ -209,35 +184,18 @@ class Session(MessageLog):
             self.doc_mode = old
             self._plan()
             raise
-        self._release_live()
+        self.kv.release_live()
         self._repin()
 
-    def _prefix_cache(self) -> PrefixCache:
-        """The engine's prefix cache for its current KV config; a config change drops the live
-        sequence and the pins made under the old one (their blocks go with the old cache)."""
-        cache = self.engine.prefix_cache()
-        if cache is not self._cache:
-            self._release_live()
-            if self._cache is not None:
-                self._cache.unpin(self._pinned_keys)
-            self._pinned_keys = []
-            self._saved_key = None
-            for doc in self.documents:
-                doc.cached = doc.mode == "retrieval" and doc.index is not None
-            self._cache = cache
-        return cache
-
-    def _release_live(self) -> None:
-        if self._live is not None:
-            self._live.release()
-            self._live = None
+    def _documents_uncached(self) -> None:
+        """The KV config changed (SessionKV.prefix_cache): no document's blocks are cached
+        now; one read by retrieval needs only its index."""
+        for doc in self.documents:
+            doc.cached = doc.mode == "retrieval" and doc.index is not None
 
     def close(self) -> None:
         """Release the live sequence and this session's pins."""
-        self._release_live()
-        if self._cache is not None:
-            self._cache.unpin(self._pinned_keys)
-        self._pinned_keys = []
+        self.kv.close()
 
     # -- documents ------------------------------------------------------------------------
     def _system_content(self, documents: Sequence[Document] | None = None,
@@ -251,45 +209,7 @@ class Session(MessageLog):
                add_generation_prompt: bool = True, sections: Sequence = ()) -> tuple[list[int], int]:
         """Token ids of a prompt and the length of its pinned prefix (0 if there is none). The
         prefix holds the system prompt, the whole documents and the retrieved ``sections``."""
-        e, tok = self.engine, self.engine.tokenizer
-        system = self._system_content(documents, sections)
-        if e.has_chat_template:
-            system_msgs = [{"role": "system", "content": system}] if system else []
-            if not system_msgs:
-                return e.encode_chat(list(conversation), add_generation_prompt), 0
-            prefix_text, prefix_ids = self._encoded_prefix(system)
-            full_text = tok.apply_chat_template(system_msgs + list(conversation),
-                                                add_generation_prompt=add_generation_prompt)
-            if not full_text.startswith(prefix_text):  # a template that rewrites the system turn
-                return e.encode_chat(system_msgs + list(conversation), add_generation_prompt), 0
-            rest = full_text[len(prefix_text):]
-            return prefix_ids + (tok.encode(rest, add_bos=False, parse_special=True) if rest else []), len(prefix_ids)
-        # A base model: a plain transcript.
-        lines = []
-        for m in conversation:
-            who = "Question" if m["role"] == "user" else "Answer"
-            lines.append(f"{who}: {m['content'].strip()}")
-        rest = "\n".join(lines) + ("\nAnswer:" if add_generation_prompt else "")
-        if not system:
-            return tok.encode(rest, add_bos=True, parse_special=False), 0
-        prefix_ids = self._encoded_prefix(system)[1]
-        return prefix_ids + tok.encode(rest, add_bos=False, parse_special=False), len(prefix_ids)
-
-    def _encoded_prefix(self, system: str) -> tuple[str, list[int]]:
-        """The pinned prefix's rendered text and token ids for a system content. Remembered for
-        the last content: every turn renders the prefix, and tokenizing pinned documents again
-        each time (thousands of tokens) is work the first turn already did."""
-        if self._prefix_memo is None or self._prefix_memo[0] != system:
-            e, tok = self.engine, self.engine.tokenizer
-            if e.has_chat_template:
-                system_msgs = [{"role": "system", "content": system}]
-                text = tok.apply_chat_template(system_msgs, add_generation_prompt=False)
-                ids = e.encode_chat(system_msgs, add_generation_prompt=False)
-            else:
-                text = system + "\n\n"
-                ids = tok.encode(text, add_bos=True, parse_special=False)
-            self._prefix_memo = (system, text, ids)
-        return self._prefix_memo[1], list(self._prefix_memo[2])
+        return self.layout.render(self._system_content(documents, sections), conversation, add_generation_prompt)
 
     def prefix_tokens(self, documents: Sequence[Document] | None = None) -> int:
         return self.render([], documents, add_generation_prompt=False)[1]
@@ -431,14 +351,10 @@ class Session(MessageLog):
                 f"no room for sections of {names}: the prompt takes {base_prefix + conversation_tokens:,} "
                 f"and the answer {answer_room:,} of the {self.ctx:,} context tokens (start a new "
                 "conversation, ask for a shorter answer, or raise the context)")
-        while True:
-            found = retrieval.sections(chosen, self._count_tokens)
-            n_prefix = self.render([], add_generation_prompt=False, sections=found)[1]
-            if n_prefix <= self.ctx - conversation_tokens - answer_room or len(chosen) <= 1:
-                return found
-            # the labels took more than estimated: the weakest chunk goes
-            weakest = min(range(len(chosen)), key=lambda i: (chosen[i].score, -i))
-            chosen = chosen[:weakest] + chosen[weakest + 1:]
+        room_for_prefix = self.ctx - conversation_tokens - answer_room
+        return retrieval.fit_sections(
+            chosen, self._count_tokens,
+            lambda found: self.render([], add_generation_prompt=False, sections=found)[1] <= room_for_prefix)
 
     def set_pinned(self, doc_id: str, pinned: bool, *, prefill: bool = True,
                    progress: Callable[[int, int], None] | None = None) -> None:
@@ -483,36 +399,27 @@ class Session(MessageLog):
         ids, n_prefix = self.render([], add_generation_prompt=False)
         if not n_prefix:
             return 0
-        seq, reused, source = self._sequence_for(ids[:n_prefix], n_prefix, progress, cancel)
+        seq, reused, source = self.kv.sequence_for(ids[:n_prefix], n_prefix, progress, cancel)
         if reused:
             log.info("cache hit: %d of %d prompt tokens reused (from %s)", reused, n_prefix, source)
         if reused < n_prefix:
             if self.engine.prefill(ids[reused:n_prefix], seq, progress, cancel) is None:
-                return reused - self._master_prefilled
+                return reused - self.kv.master_prefilled
         elif progress:
             progress(n_prefix, n_prefix)
         self._pin(ids, n_prefix)
-        return reused - self._master_prefilled
+        return reused - self.kv.master_prefilled
 
     # -- pinning --------------------------------------------------------------------------
     def _pin(self, ids: Sequence[int], n_prefix: int) -> int:
         """Pin the full blocks of the prefix and save them to disk; returns pinned tokens."""
-        cache = self._prefix_cache()
-        n_blocks = n_prefix // cache.B
-        keys = cache.chain_keys(ids[: n_blocks * cache.B])
-        keys = keys[: cache.usable_blocks(keys)]  # the leading blocks that are really cached
-        cache.pin(keys)
-        cache.unpin(self._pinned_keys)
-        self._pinned_keys = keys
-        if keys and self._saved_key != keys[-1]:
-            cache.save(keys)
-            self._saved_key = keys[-1]
+        pinned = self.kv.pin(ids, n_prefix)
         for doc in self.documents:
             if doc.mode == "retrieval":
                 doc.cached = doc.pinned and doc.index is not None
             else:
-                doc.cached = doc.pinned and bool(keys)
-        return n_prefix if keys else 0
+                doc.cached = doc.pinned and pinned
+        return n_prefix if pinned else 0
 
     def switch_cost(self, kv) -> dict:
         """What switching the engine to the KV layout `kv` would cost the pinned documents, asked
@@ -525,59 +432,12 @@ class Session(MessageLog):
 
     def _repin(self) -> None:
         """After the document set changed: unpin what is no longer the prefix."""
-        if self._cache is None:
-            return
+        if self.kv.cache is None:
+            return  # nothing pinned yet (and no need to render)
         ids, n_prefix = self.render([], add_generation_prompt=False)
-        keep = set(self._cache.chain_keys(ids[: n_prefix - n_prefix % self._cache.B])) if n_prefix else set()
-        dropped = [k for k in self._pinned_keys if k not in keep]
-        self._cache.unpin(dropped)
-        self._pinned_keys = [k for k in self._pinned_keys if k in keep]
+        self.kv.repin(ids[:n_prefix])
 
     # -- turns ----------------------------------------------------------------------------
-    def _sequence_for(self, ids: Sequence[int], n_prefix: int,
-                      progress: Callable[[int, int], None] | None = None,
-                      cancel: threading.Event | None = None) -> tuple[PagedKVCache, int, str]:
-        """A sequence holding the longest reusable prefix of `ids` (leaving at least one token
-        to prefill): the live one, trimmed or extended, or a new one from the prefix cache.
-
-        A pinned prefix the cache cannot supply is computed in the master layout first (when
-        the current layout derives from it: kv.requantize) and derived, so a later switch to
-        another derivable layout does not prefill it again; `_master_prefilled` says how many
-        tokens that took (progress and cancel apply to it)."""
-        self._master_prefilled = 0
-        cache = self._prefix_cache()
-        live = self._live
-        if live is not None:
-            history = live.history
-            common = _common_prefix(history, ids)
-            if live.dropped_tokens:
-                if common == len(history) and len(ids) > common:
-                    live.protected_tokens = n_prefix
-                    return live, common, "memory"
-            else:
-                common = min(common, len(ids) - 1)
-                in_memory = cache.usable_blocks(cache.chain_keys(ids, (len(ids) - 1) // cache.B)) * cache.B
-                if common > 0 and common >= in_memory:
-                    try:
-                        live.trim(len(history) - common)
-                        live.protected_tokens = n_prefix
-                        return live, common, "memory"
-                    except ValueError:
-                        pass  # a sliding window already released what the trim needs
-            self._release_live()
-        seq = cache.new_sequence(limit=self.ctx, overflow=self.overflow, protected_tokens=n_prefix)
-        reuse = cache.attach(seq, ids)
-        prefix_blocks = min(n_prefix, len(ids) - 1) // cache.B
-        if reuse.tokens < prefix_blocks * cache.B and cache.derives_from_master:
-            before = reuse.tokens
-            if self.engine.prefill_master(ids[:n_prefix], progress, cancel):
-                seq.release()
-                seq = cache.new_sequence(limit=self.ctx, overflow=self.overflow, protected_tokens=n_prefix)
-                reuse = cache.attach(seq, ids)
-                self._master_prefilled = max(0, reuse.tokens - before)
-        self._live = seq
-        return seq, reuse.tokens, reuse.source
-
     def _turn(self, conversation: list[dict], *, record: bool, max_tokens: int = 256,
               sampling: SamplingParams | None = None, stop: Sequence[str] = (),
               cancel: threading.Event | None = None,
@@ -588,9 +448,9 @@ class Session(MessageLog):
         if n_prefix + ANSWER_RESERVE > self.ctx and n_prefix:
             raise DocumentError(f"the pinned documents take {n_prefix:,} of the {self.ctx:,} context tokens")
         t_request = time.perf_counter()
-        seq, reused, source = self._sequence_for(ids, n_prefix, prefill_progress, cancel)
+        seq, reused, source = self.kv.sequence_for(ids, n_prefix, prefill_progress, cancel)
         setup_s = time.perf_counter() - t_request  # cache lookup, disk load / derivation, master prefill
-        master_prefilled = self._master_prefilled
+        master_prefilled = self.kv.master_prefilled
         if reused:
             log.info("cache hit: %d of %d prompt tokens reused (from %s)", reused, len(ids), source)
         else:
@@ -603,14 +463,9 @@ class Session(MessageLog):
             for chunk in gen:
                 yield chunk
             result = gen.result
-            st = result.stats
-            st.prompt_tokens = len(ids)
-            st.cached_tokens = reused - master_prefilled
-            st.cache_source = source if st.cached_tokens else "none"
-            if st.ttft_s:
-                st.ttft_s += setup_s  # from the question, not from the start of the prefill
+            result.stats.count_reuse(len(ids), reused - master_prefilled, source, setup_s)
             if n_prefix and result.finish_reason != "cancelled":
-                st.pinned_tokens = self._pin(ids, n_prefix)
+                result.stats.pinned_tokens = self._pin(ids, n_prefix)
             if record:
                 message = {"role": "assistant", "content": result.text}
                 if result.finish_reason == "cancelled":

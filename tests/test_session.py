@@ -61,7 +61,7 @@ def test_cache_hit_with_quantized_kv_is_as_close_as_eval_kv_says(smollm2_path):
     session = Session(engine, ctx=2048)
     session.add_document(text=doc_text(engine, 400), name="gpl.txt")
     ids, _ = session.render([{"role": "user", "content": "Who may copy the program, and under which terms?"}])
-    seq, reused, _ = session._sequence_for(ids, session.prefix_tokens())
+    seq, reused, _ = session.kv.sequence_for(ids, session.prefix_tokens())
     assert reused >= 380
     hit = engine.model.forward(np.asarray(ids[reused:]), seq, "all")
     cold = engine.model.forward(np.asarray(ids), engine.new_cache(), "all")[reused:]
@@ -119,8 +119,8 @@ def test_overflow_over_twenty_rounds_keeps_the_pinned_document(smollm2_path):
     engine = fresh_engine(smollm2_path, "k6v4")
     session = Session(engine, ctx=2048, overflow="rolling")
     doc = session.add_document(text=doc_text(engine, 1000), name="gpl.txt")
-    cache = session._prefix_cache()
-    pinned = list(session._pinned_keys)
+    cache = session.kv.prefix_cache()
+    pinned = list(session.kv.pinned_keys)
     assert len(pinned) == session.prefix_tokens() // cache.B
     pinned_blocks = [list(cache.entries[k].blocks) for k in pinned]
     filler = doc_text(engine, 90).replace("\n", " ")
