@@ -11,7 +11,7 @@ from ..gguf_file import GGUFFile
 from ..kernels.norms import apply_rope, rms_norm
 from ..kv.cache import KVCache, LayerKVCache
 from ..weights import WeightStore, products
-from .base import BaseModel, KVGeometry, gelu_tanh, rope_freq_scale, rope_tables
+from .base import BaseModel, KVGeometry, gated, gelu_tanh, rope_freq_scale, rope_tables
 
 ARCH = "gemma3"
 LOCAL_ROPE_BASE = 10_000.0
@@ -102,7 +102,7 @@ class MLP:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         gate, up = products((self.ffn_gate, self.ffn_up), x)  # x quantized once
-        return self.ffn_down(gelu_tanh(gate) * up)
+        return self.ffn_down(gated(gelu_tanh, gate, up))
 
 
 class TransformerBlock:

@@ -19,7 +19,7 @@ from ..gguf_file import GGUFFile
 from ..kernels.norms import rms_norm
 from ..kv.cache import KVCache, LayerKVCache
 from ..weights import WeightStore, products
-from .base import BaseModel, KVGeometry, Rope, rope_freq_scale, silu
+from .base import BaseModel, KVGeometry, Rope, gated, rope_freq_scale, silu
 
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -114,10 +114,8 @@ class MLP:
         self.ffn_down = w.linear(f"{prefix}.ffn_down.weight", args.dim, args.ffn_dim)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        gate, up = products((self.ffn_gate, self.ffn_up), x)
-        h = silu(gate)
-        h *= up  # in place: the same product as silu(gate) * up
-        return self.ffn_down(h)
+        gate, up = products((self.ffn_gate, self.ffn_up), x)  # x quantized once
+        return self.ffn_down(gated(silu, gate, up))  # silu(gate) * up
 
 
 class TransformerBlock:
