@@ -14,6 +14,7 @@ from ..kernels import helper
 from ..kernels.norms import apply_rope
 from ..kv.cache import FullPrecisionCache, KVCache
 
+
 def silu(x: np.ndarray) -> np.ndarray:
     """x / (1 + exp(-x)), the same ufuncs in the same order as the expression, in one buffer
     (a prefill chunk's (T, ffn) activations are tens of MiB: each temporary costs page faults)."""
