@@ -4,12 +4,15 @@ Anthropic messages (streamed or not), a stream the client drops after a few chun
 oversized body (must get a 413, not a reset connection).
 
     .venv/bin/python benchmarks/soak_serve.py [--model smollm2-135m-instruct] [--clients 8]
-        [--minutes 10] [--max-tokens 48] [--seed 0]
+        [--minutes 10] [--fill-minutes 0] [--max-tokens 48] [--seed 0]
 
 Prints requests by kind, errors by kind (an "unintended" error is anything but the oversized
 body's 413 and the dropped streams), TTFT p50 / p95 of the streamed requests, the server's RSS at
 the start (after a warm-up round) and at the end, and KV in use (`omlx_kv_bytes_in_use`, prefix
-cache included) after the warm-up and at the end, with the prefix cache's share. Not yet: killing
+cache included) after the warm-up and at the end, with the prefix cache's share. --fill-minutes F
+runs the same load for F minutes before the baseline is taken, so that the prefix cache is at its
+capacity in it (the RSS bar is about leaks, not about the cache filling); the server's RSS is
+also sampled every 10 s of the measured minutes (min / max printed). Not yet: killing
 and restarting the server on its cache dir, a full disk during a prefix save (issue 28, item 5).
 """
 
@@ -116,11 +119,32 @@ class Soak:
                 self.requests[kind] += 1
 
 
+def run_clients(soak: Soak, clients: int, seed: int, minutes: float) -> float:
+    """`clients` threads of the mixed load for `minutes`; returns the seconds they took."""
+    until = time.monotonic() + 60 * minutes
+    threads = [threading.Thread(target=soak.client, args=(seed + i, until)) for i in range(clients)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.monotonic() - t0
+
+
+def idle(url: str, seconds: float = 30) -> None:
+    """Wait (at most `seconds`) until the server runs no sequence."""
+    wait = time.monotonic() + seconds
+    while metric(url, "omlx_running_sequences") and time.monotonic() < wait:
+        time.sleep(0.2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--fill-minutes", type=float, default=0.0,
+                    help="minutes of the same load before the baseline (the prefix cache fills)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -149,30 +173,42 @@ def main() -> int:
         soak = Soak(url, args.max_tokens)
         for kind in KINDS:  # warm-up: every kind once, so that the baseline has compiled everything
             soak.one(kind, random.Random(args.seed))
+        if args.fill_minutes > 0:
+            kv_before = metric(url, "omlx_kv_bytes_in_use")
+            run_clients(soak, args.clients, args.seed + 1000, args.fill_minutes)
+            idle(url)
+            print(f"fill: {sum(soak.requests.values())} requests in {args.fill_minutes:.1f} min, KV in use "
+                  f"{kv_before / 2**20:.1f} -> {metric(url, 'omlx_kv_bytes_in_use') / 2**20:.1f} MiB "
+                  f"(capacity {metric(url, 'omlx_kv_bytes_capacity') / 2**20:.1f})", flush=True)
+            soak.requests.clear()
+            soak.ttft.clear()
+            soak.cut.clear()
         time.sleep(1)
         rss0, kv0 = server.memory_info().rss, metric(url, "omlx_kv_bytes_in_use")
-        until = time.monotonic() + 60 * args.minutes
-        threads = [threading.Thread(target=soak.client, args=(args.seed + i, until)) for i in range(args.clients)]
-        t0 = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.monotonic() - t0
-        wait = time.monotonic() + 30
-        while metric(url, "omlx_running_sequences") and time.monotonic() < wait:
-            time.sleep(0.2)
+        samples = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(10):
+                samples.append(server.memory_info().rss)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        elapsed = run_clients(soak, args.clients, args.seed, args.minutes)
+        stop.set()
+        idle(url)
         rss1, kv1 = server.memory_info().rss, metric(url, "omlx_kv_bytes_in_use")
         total = sum(soak.requests.values())
         print(f"{path.name}: {args.clients} clients, {elapsed / 60:.1f} min, {total} requests")
         print("  by kind: " + ", ".join(f"{k} {soak.requests[k]}" for k in KINDS))
         if soak.cut:
             print("  cut at max_tokens before a whole call: " + ", ".join(f"{k} {n}" for k, n in soak.cut.items()))
-        print(f"  errors: {sum(soak.errors.values())}" + "".join(f"\n    {n} x {e}" for e, n in soak.errors.most_common()))
+        print(f"  errors{' (the fill included)' if args.fill_minutes > 0 else ''}: {sum(soak.errors.values())}" + "".join(f"\n    {n} x {e}" for e, n in soak.errors.most_common()))
         if soak.ttft:
             q = statistics.quantiles(soak.ttft, n=20)
             print(f"  TTFT (streams) p50 {statistics.median(soak.ttft):.2f} s, p95 {q[18]:.2f} s")
-        print(f"  server RSS {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB ({100 * (rss1 / rss0 - 1):+.1f}%)")
+        print(f"  server RSS {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB ({100 * (rss1 / rss0 - 1):+.1f}%)"
+              + (f", sampled every 10 s: {min(samples) / 2**20:.0f} .. {max(samples) / 2**20:.0f} MiB" if samples else ""))
         print(f"  KV in use (prefix cache included) {kv0 / 2**20:.1f} -> {kv1 / 2**20:.1f} MiB")
         return 0 if not soak.errors else 2
     finally:
