@@ -6,6 +6,11 @@ than MAX_DOCUMENT_BYTES is refused without being opened for reading), text is de
 of READ_BLOCK bytes that are checked as they come (a NUL byte or invalid UTF-8 stops the read at
 that block), and only a file that passes is joined into the one string the session keeps.
 
+A plain-text file larger than STREAM_BYTES is not held as one string: :func:`open_document`
+checks it in one bounded pass (the same messages: binary data, not UTF-8) and returns a
+:class:`DocumentFile`, which retrieval indexes in a streamed pass (engine.retrieval.FileIndex)
+and reads sections back from by byte offset. A PDF over MAX_DOCUMENT_BYTES is still refused.
+
 A PDF's pages are joined by a blank line with a form feed where each page starts (see
 :func:`join_pages`), so retrieval can name pages; :func:`plain_text` removes the marks, which
 leaves the pages joined by a blank line (the text a whole document is rendered with).
@@ -14,13 +19,17 @@ leaves the pages joined by a blank line (the text a whole document is rendered w
 from __future__ import annotations
 
 import codecs
+import hashlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from .errors import DocumentError
 
 MiB = 1 << 20
 MAX_DOCUMENT_BYTES = 64 * MiB  # a plain-text file (UTF-8) or a PDF, on disk
 MAX_PDF_TEXT_CHARS = 64 * MiB  # text extracted from a PDF (a small file can hold a lot of text)
+STREAM_BYTES = MAX_DOCUMENT_BYTES  # a plain-text file larger than this is streamed (DocumentFile)
 READ_BLOCK = 1 * MiB
 BINARY_PROBE_BYTES = 64 * 1024
 PAGE_BREAK = "\f"
@@ -30,7 +39,23 @@ def _size_text(n: int) -> str:
     return f"{n / MiB:,.0f} MB" if n >= MiB else f"{n / 1024:,.0f} KB"
 
 
-def document_text(source: str | Path | None, text: str | None, name: str | None) -> tuple[str, str]:
+@dataclass(frozen=True)
+class DocumentFile:
+    """A plain-text file too large to hold as one string (over STREAM_BYTES): checked (UTF-8
+    throughout, no binary data) when opened, read by retrieval from the file itself."""
+
+    path: str
+    name: str
+    size: int
+    sha256: str  # of the file's bytes when it was opened
+
+    @property
+    def size_text(self) -> str:
+        return _size_text(self.size)
+
+
+def document_text(source: str | Path | None, text: "str | DocumentFile | None", name: str | None
+                  ) -> tuple[str, str]:
     """(name, text) of a document given as a file or as text (`add_document`'s arguments, local or
     remote): the file read with `read_document` when no text is given; the name defaults to the
     file's name, else "document".
@@ -38,6 +63,10 @@ def document_text(source: str | Path | None, text: str | None, name: str | None)
     Raises:
         DocumentError: neither given, the file unreadable, or the text empty.
     """
+    if isinstance(text, DocumentFile):
+        raise DocumentError(f"{text.name} is {text.size_text}: documents sent whole can be up to "
+                            f"{_size_text(MAX_DOCUMENT_BYTES)} (a local model reads larger ones by "
+                            "retrieval)")
     if text is None:
         if source is None:
             raise DocumentError("add_document needs a file or text")
@@ -45,6 +74,89 @@ def document_text(source: str | Path | None, text: str | None, name: str | None)
     if not text.strip():
         raise DocumentError(f"{name or 'the document'} is empty")
     return name or (Path(source).name if source is not None else "document"), text
+
+
+def document_source(source: str | Path | None, text: "str | DocumentFile | None", name: str | None
+                    ) -> "tuple[str, str | DocumentFile]":
+    """As :func:`document_text`, but a plain-text file over ``STREAM_BYTES`` (or a DocumentFile
+    given as ``text``) comes back as a :class:`DocumentFile` instead of its text."""
+    if isinstance(text, DocumentFile):
+        return name or text.name, text
+    if text is None and source is not None:
+        opened = open_document(source)
+        if isinstance(opened, DocumentFile):
+            return name or opened.name, opened
+        text = opened
+    return document_text(source, text, name)
+
+
+def open_document(path: str | Path, *, stream_bytes: int | None = None) -> "str | DocumentFile":
+    """:func:`read_document`'s text, or for a plain-text file over ``stream_bytes`` (default
+    STREAM_BYTES) a :class:`DocumentFile`, after one pass over the file in READ_BLOCK blocks
+    that checks it as :func:`read_document` does and takes its sha256.
+
+    Raises:
+        DocumentError: as :func:`read_document` (a PDF over MAX_DOCUMENT_BYTES is refused).
+    """
+    path = Path(path)
+    limit = STREAM_BYTES if stream_bytes is None else int(stream_bytes)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+    except OSError:
+        return read_document(path)  # its message for a missing or unreadable file, or a folder
+    if size <= limit or path.suffix.lower() == ".pdf" or head.startswith(b"%PDF-"):
+        return read_document(path)
+    digest = hashlib.sha256()
+    blank = True
+    for block, _offset in _checked_blocks(path):
+        digest.update(block)
+        if blank and block.strip():
+            blank = False
+    if blank:
+        raise DocumentError(f"{path.name} is empty (it holds only blank space)")
+    return DocumentFile(str(path), path.name, size, digest.hexdigest())
+
+
+def _checked_blocks(path: Path) -> Iterator[tuple[bytes, int]]:
+    """The file's bytes in READ_BLOCK blocks with their offsets, each checked as it comes: no
+    NUL byte (binary data), valid UTF-8 (a leading BOM allowed).
+
+    Raises:
+        DocumentError: binary data, not UTF-8, or the file unreadable.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    offset = 0
+    try:
+        with path.open("rb") as f:
+            while True:
+                block = f.read(READ_BLOCK)
+                final = not block
+                _check_block(path, block, offset)
+                try:
+                    decoder.decode(block, final=final)
+                except UnicodeDecodeError as exc:
+                    raise DocumentError(
+                        f"{path.name} is not UTF-8 text (byte {offset + exc.start}): save it as UTF-8, "
+                        "or use .txt, .md or .pdf") from None
+                if final:
+                    return
+                yield block, offset
+                offset += len(block)
+    except OSError as exc:
+        raise DocumentError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+
+
+def _check_block(path: Path, block: bytes, offset: int) -> None:
+    if offset < BINARY_PROBE_BYTES and b"\x00" in block[:BINARY_PROBE_BYTES - offset]:
+        raise DocumentError(
+            f"{path.name} looks like a binary file, not a document (use .txt, .md or .pdf)")
+    if b"\x00" in block:
+        at = offset + block.index(b"\x00")
+        raise DocumentError(
+            f"{path.name} has binary data (a NUL byte) after {_size_text(at)} of "
+            "text: it is not a plain-text document")
 
 
 def read_document(path: str | Path) -> str:
@@ -85,14 +197,7 @@ def _plain_text(path: Path) -> str:
             while True:
                 block = f.read(READ_BLOCK)
                 final = not block
-                if offset < BINARY_PROBE_BYTES and b"\x00" in block[:BINARY_PROBE_BYTES - offset]:
-                    raise DocumentError(
-                        f"{path.name} looks like a binary file, not a document (use .txt, .md or .pdf)")
-                if b"\x00" in block:
-                    at = offset + block.index(b"\x00")
-                    raise DocumentError(
-                        f"{path.name} has binary data (a NUL byte) after {_size_text(at)} of "
-                        "text: it is not a plain-text document")
+                _check_block(path, block, offset)
                 try:
                     parts.append(decoder.decode(block, final=final))
                 except UnicodeDecodeError as exc:
@@ -166,4 +271,4 @@ def plain_text(text: str) -> str:
     return text.replace(PAGE_BREAK, "")
 
 
-__all__ = ["read_document", "plain_text", "DocumentError", "MAX_DOCUMENT_BYTES", "PAGE_BREAK", "join_pages"]
+__all__ = ["read_document", "open_document", "document_source", "DocumentFile", "STREAM_BYTES", "plain_text", "DocumentError", "MAX_DOCUMENT_BYTES", "PAGE_BREAK", "join_pages"]

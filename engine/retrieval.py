@@ -174,56 +174,63 @@ def _paragraphs(text: str) -> Iterator[list[tuple[int, str]]]:
 
 
 def _pieces(lines: list[tuple[int, str]], count: Callable[[str], int], limit: int
-            ) -> Iterator[tuple[int, int, str, int]]:
-    """A paragraph's lines as (start, end, text, tokens) pieces of at most ``limit`` tokens
-    (one piece when the paragraph fits)."""
+            ) -> Iterator[tuple[int, int, str, int, int, int, int, int]]:
+    """A paragraph's lines as (start, end, text, tokens, i0, i1, c0, c1) pieces of at most
+    ``limit`` tokens (one piece when the paragraph fits): the piece is lines ``i0``..``i1`` of
+    the paragraph, from character ``c0`` of line i0 to character ``c1`` of line i1 (c1 = -1: to
+    its end)."""
     text = "\n".join(line for _, line in lines)
     n = count(text)
     if n <= limit:
-        yield lines[0][0], lines[-1][0], text, n
+        yield lines[0][0], lines[-1][0], text, n, 0, len(lines) - 1, 0, -1
         return
-    run: list[tuple[int, str]] = []
+    run: list[int] = []  # indices of the run's lines
     run_tokens = 0  # the lines' counts and one per joining newline: what their text counts, about
 
-    def piece() -> tuple[int, int, str, int]:
-        joined = "\n".join(t for _, t in run)
-        return run[0][0], run[-1][0], joined, count(joined)
+    def piece() -> tuple[int, int, str, int, int, int, int, int]:
+        joined = "\n".join(lines[i][1] for i in run)
+        return lines[run[0]][0], lines[run[-1]][0], joined, count(joined), run[0], run[-1], 0, -1
 
-    for loc, line in lines:
+    for i, (loc, line) in enumerate(lines):
         n_line = count(line)
         if n_line > limit:  # one line longer than a piece: cut it into runs of words
             if run:
                 yield piece()
                 run, run_tokens = [], 0
-            yield from _word_pieces(loc, line, count, limit)
+            for start, end, words_text, n_words, c0, c1 in _word_pieces(loc, line, count, limit):
+                yield start, end, words_text, n_words, i, i, c0, c1
             continue
         if run and run_tokens + 1 + n_line > limit:
             yield piece()
             run, run_tokens = [], 0
         run_tokens += n_line + (1 if run else 0)
-        run.append((loc, line))
+        run.append(i)
     if run:
         yield piece()
 
 
 def _word_pieces(loc: int, line: str, count: Callable[[str], int], limit: int
-                 ) -> Iterator[tuple[int, int, str, int]]:
+                 ) -> Iterator[tuple[int, int, str, int, int, int]]:
     """A line longer than ``limit`` tokens as runs of words of at most ``limit`` (a run that
     still counts more, words of uneven length, is halved until it fits; a single word is
-    kept whatever it counts)."""
+    kept whatever it counts), each with its characters ``c0``..``c1`` in the line."""
     tokens = line.split(" ")
+    starts = [0]  # starts[k]: the character token k starts at (one past the end for k = len)
+    for t in tokens:
+        starts.append(starts[-1] + len(t) + 1)
     step = max(1, len(tokens) * limit // max(count(line), 1))
-    pending = [tokens[i:i + step] for i in range(0, len(tokens), step)]
+    pending = [(i, min(i + step, len(tokens))) for i in range(0, len(tokens), step)]
     while pending:
-        run = pending.pop(0)
-        text = " ".join(run)
+        a, b = pending.pop(0)
+        c0, c1 = starts[a], starts[b] - 1
+        text = line[c0:c1]  # " ".join(tokens[a:b])
         n = count(text)
-        if n > limit and len(run) > 1:
-            half = len(run) // 2
-            pending[:0] = [run[:half], run[half:]]
+        if n > limit and b - a > 1:
+            half = (b - a) // 2
+            pending[:0] = [(a, a + half), (a + half, b)]
             continue
         if text.strip():
-            yield loc, loc, text, n
+            yield loc, loc, text, n, c0, c1
 
 
 def split_units(text: str, count: Callable[[str], int], *, piece_tokens: int,
@@ -236,7 +243,7 @@ def split_units(text: str, count: Callable[[str], int], *, piece_tokens: int,
     for number, lines in enumerate(_paragraphs(text)):
         if cancel is not None and cancel.is_set():
             raise DocumentError("reading the document was cancelled")
-        for start, end, piece, n in _pieces(lines, count, piece_tokens):
+        for start, end, piece, n, *_ in _pieces(lines, count, piece_tokens):
             units.append(Unit(start, end, number, piece, n))
         done += sum(len(line) + 1 for _, line in lines)
         if progress is not None and number % 64 == 0:
@@ -247,20 +254,29 @@ def split_units(text: str, count: Callable[[str], int], *, piece_tokens: int,
 def pack_chunks(units: Sequence[Unit], *, chunk_tokens: int, overlap_tokens: int) -> list[Chunk]:
     """Units packed in order into chunks of at most ``chunk_tokens`` (a unit is never larger
     than that), each starting with the previous chunk's trailing units up to ``overlap_tokens``."""
-    chunks: list[Chunk] = []
-    first, tokens = 0, 0
-    for i, u in enumerate(units):
-        if i > first and tokens + u.n_tokens > chunk_tokens:
-            chunks.append(Chunk(first, i - 1, tokens))
+    return [c for c, _ in _pack(((u.n_tokens, u.text) for u in units), chunk_tokens=chunk_tokens,
+                                overlap_tokens=overlap_tokens)]
+
+
+def _pack(units: Iterable[tuple[int, str]], *, chunk_tokens: int, overlap_tokens: int
+          ) -> Iterator[tuple[Chunk, list[str]]]:
+    """:func:`pack_chunks` over (tokens, text) of the units as they come, each chunk with its
+    units' texts: only the current chunk's units are held."""
+    window: list[tuple[int, str]] = []  # units first.. of the chunk being filled
+    first, tokens, i = 0, 0, -1
+    for i, (n, text) in enumerate(units):
+        if i > first and tokens + n > chunk_tokens:
+            yield Chunk(first, i - 1, tokens), [t for _, t in window]
             carry, carried = i, 0
-            while carry - 1 > first and carried + units[carry - 1].n_tokens <= overlap_tokens:
+            while carry - 1 > first and carried + window[carry - 1 - first][0] <= overlap_tokens:
                 carry -= 1
-                carried += units[carry].n_tokens
+                carried += window[carry - first][0]
+            window = window[carry - first:]
             first, tokens = carry, carried
-        tokens += u.n_tokens
-    if units:
-        chunks.append(Chunk(first, len(units) - 1, tokens))
-    return chunks
+        tokens += n
+        window.append((n, text))
+    if i >= 0:
+        yield Chunk(first, i, tokens), [t for _, t in window]
 
 
 # -- the index --------------------------------------------------------------------------------
@@ -304,8 +320,11 @@ class DocumentIndex:
                             progress=progress)
         if not units:
             raise DocumentError("the document has no text to index")
-        chunks = pack_chunks(units, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
-        corpus = [words(" ".join(units[j].text for j in range(c.first, c.last + 1))) for c in chunks]
+        chunks, corpus = [], []
+        for chunk, texts in _pack(((u.n_tokens, u.text) for u in units), chunk_tokens=chunk_tokens,
+                                  overlap_tokens=overlap_tokens):
+            chunks.append(chunk)
+            corpus.append(words(" ".join(texts)))
         # a chunk without a countable word still needs a row in the index
         corpus = [w or ["_"] for w in corpus]
         bm25 = bm25s.BM25()

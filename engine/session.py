@@ -34,7 +34,7 @@ ANSWER_RESERVE = 256  # context tokens a pinned prefix must leave for a question
 TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".text", ".rst", ".csv", ".log", ".json", ".py"}
 
 
-from .documents import document_text, read_document  # noqa: E402,F401  (read_document: its old home)
+from .documents import DocumentFile, document_source, read_document  # noqa: E402,F401  (read_document: its old home)
 from .errors import DocumentError  # noqa: E402,F401
 from .retrieval import (  # noqa: E402,F401  (the budget, also for Session's callers)
     MIN_RETRIEVAL_TOKENS, RETRIEVAL_TOKENS, check_retrieval_tokens,
@@ -55,6 +55,7 @@ class Document:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     mode: str = "whole"  # how it is in the prompt now: "whole", or "retrieval" (sections per question)
     index: object | None = None  # its engine.retrieval.DocumentIndex once it needed one
+    file: DocumentFile | None = None  # a file too large to hold (text ""): read by retrieval only
 
 
 class MessageLog:
@@ -212,7 +213,9 @@ class Session(MessageLog):
         return self.layout.render(self._system_content(documents, sections), conversation, add_generation_prompt)
 
     def prefix_tokens(self, documents: Sequence[Document] | None = None) -> int:
-        return self.render([], documents, add_generation_prompt=False)[1]
+        # a file too large to hold (never read whole) counts its tokens, so it never fits
+        files = sum(d.n_tokens for d in documents or () if d.file is not None)
+        return self.render([], documents, add_generation_prompt=False)[1] + files
 
     def add_document(self, source: str | Path | None = None, *, text: str | None = None,
                      name: str | None = None, prefill: bool = True,
@@ -231,12 +234,19 @@ class Session(MessageLog):
             DocumentError: unreadable, too large for the context in "whole" mode, or no room
                 left for its sections (nothing changes then).
         """
-        name, text = document_text(source, text, name)
-        doc = Document(name=name, text=text, path=str(source) if source is not None else None,
-                       pinned=pinned)
+        name, text = document_source(source, text, name)
+        file = text if isinstance(text, DocumentFile) else None
+        doc = Document(name=name, text="" if file else text, file=file, pinned=pinned,
+                       path=file.path if file else str(source) if source is not None else None)
         if doc_id is not None:
             doc.id = doc_id
-        doc.n_tokens = len(self.engine.tokenizer.encode(text, add_bos=False, parse_special=False))
+        if file is not None:  # about, until its index counts them
+            doc.n_tokens = max(file.size // 4, 1)
+            if pinned and self.doc_mode == "whole":
+                raise DocumentError(f"{name} is {file.size_text}: too large to read whole, it can "
+                                    "be read by retrieval")
+        else:
+            doc.n_tokens = len(self.engine.tokenizer.encode(text, add_bos=False, parse_special=False))
         if not pinned:
             self.documents.append(doc)
             return doc
@@ -312,6 +322,12 @@ class Session(MessageLog):
     def _ensure_index(self, doc: Document, *, progress: Callable[[int, int], None] | None = None,
                       cancel: threading.Event | None = None) -> None:
         """The document's retrieval index: loaded from the cache folder, else built and saved."""
+        if doc.index is None and doc.file is not None:
+            from .file_index import FileIndex
+
+            doc.index = FileIndex.open(doc.file, self._count_tokens, self.engine.model_id,
+                                       cancel=cancel, progress=progress)
+            doc.n_tokens = doc.index.n_tokens
         if doc.index is None:
             from .retrieval import DocumentIndex
 
