@@ -250,6 +250,46 @@ def _pdf_text(path: Path) -> str:
     return join_pages(pages)
 
 
+def read_lines(path: str | Path, start: int, end: int) -> str:
+    """Lines ``start``..``end`` (1-based, as retrieval numbers them: a form feed ends a line too)
+    of a plain-text file, read a block at a time (a DocumentFile's section, shown again).
+
+    Raises:
+        DocumentError: the file cannot be read, or is not UTF-8 there.
+    """
+    path = Path(path)
+    out: list[bytes] = []
+    line_no, rest = 0, b""
+    try:
+        with path.open("rb") as f:
+            if f.read(3) != codecs.BOM_UTF8:
+                f.seek(0)
+            while line_no < end:
+                block = f.read(READ_BLOCK)
+                data = rest + block.replace(b"\f", b"\n")
+                breaks = data.count(b"\n")
+                if block and line_no + breaks < start:  # all before the lines asked for
+                    line_no += breaks
+                    rest = data[data.rfind(b"\n") + 1:] if breaks else data
+                    continue
+                lines = data.split(b"\n")
+                rest = lines.pop() if block else b""
+                if not block:
+                    lines.append(rest)
+                for raw in lines:
+                    line_no += 1
+                    if start <= line_no <= end:
+                        out.append(raw.rstrip(b"\r"))
+                if not block:
+                    break
+    except OSError as exc:
+        raise DocumentError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    try:
+        return b"\n".join(out).decode("utf-8")
+    except UnicodeDecodeError:
+        raise DocumentError(f"{path.name} is not UTF-8 text there any more") from None
+
+
 def join_pages(pages: list[str]) -> str:
     """Pages' texts as one document: non-empty pages joined by a blank line, with one form feed
     per page started before each (so the number of form feeds before a character is its page

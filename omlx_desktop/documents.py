@@ -44,6 +44,18 @@ def excerpt(text: str, section: dict) -> str:
     return "\n".join(text.split("\n")[start - 1:end])
 
 
+def file_excerpt(path: str, section: dict) -> str:
+    """:func:`excerpt` of a file too large to hold (its text is not in the Store): its lines
+    read from the file, a block at a time; what is wrong if it cannot be read."""
+    from engine.documents import read_lines
+    from engine.errors import DocumentError
+
+    try:
+        return read_lines(path, int(section["start"]), int(section["end"]))
+    except DocumentError as exc:
+        return exc.user_message
+
+
 class SectionPreview(QDialog):
     """A section of a document, as the model was shown it, in a read-only view."""
 
@@ -158,7 +170,8 @@ class DocumentsController(QObject):
             return None
         if self.preview is not None:
             self.preview.close()
-        self.preview = SectionPreview(self.w, doc.name, section, excerpt(doc.text, section))
+        text = excerpt(doc.text, section) if doc.text or not doc.path else file_excerpt(doc.path, section)
+        self.preview = SectionPreview(self.w, doc.name, section, text)
         self.preview.show()
         return self.preview
 
@@ -246,7 +259,8 @@ class DocumentsController(QObject):
         info = result.info
         try:
             doc = w.store.add_document(result.conv, info.name, result.text, path=info.path,
-                                       pinned=info.pinned, n_tokens=info.n_tokens)
+                                       pinned=info.pinned, n_tokens=info.n_tokens,
+                                       sha256=result.sha256)
         except NotFound:  # the conversation was deleted meanwhile
             return
         self.doc_ids[info.key] = doc.id

@@ -74,7 +74,7 @@ class StoredDocument:
 
     key: str
     name: str
-    text: str
+    text: str                   # "": a file too large to hold, read again from ``path``
     path: str | None = None
     pinned: bool = True
 
@@ -332,7 +332,8 @@ class DocumentInfo:
 class DocumentAdded:
     conv: int
     info: DocumentInfo
-    text: str
+    text: str                   # "" for a file read from the file (engine.documents.DocumentFile)
+    sha256: str | None = None   # such a file's, when it was read
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ Decisions:
   it after tokenizing and clears it with :meth:`Store.set_document_tokens` when the model
   changes). Deleting a conversation deletes its documents and messages (foreign keys, cascade).
   The same text added twice to one conversation is stored once (``sha256`` of the text).
+  A plain-text file too large to hold (engine.documents.DocumentFile) is stored with an empty
+  ``text``, its ``path`` and the file's ``sha256``: it is read again from the file.
 * **Streaming answers are written as they arrive.** :meth:`Store.add_message` with
   ``state="streaming"``, then :meth:`Store.append_to_message` every ~0.25 s (one small
   transaction each), then :meth:`Store.finish_message`. A process killed mid-answer leaves the
@@ -441,10 +443,11 @@ class Store:
 
     def add_document(self, conversation_id: int, name: str, text: str, *,
                      path: str | os.PathLike[str] | None = None, pinned: bool = True,
-                     n_tokens: int | None = None) -> Document:
+                     n_tokens: int | None = None, sha256: str | None = None) -> Document:
         """Adds a document to the conversation (pinned by default: part of its prompt prefix).
-        The same text already in the conversation is not added again: its document is returned."""
-        sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        The same text already in the conversation is not added again: its document is returned.
+        ``sha256`` (of a file stored without its text) stands for the text's."""
+        sha = sha256 or hashlib.sha256(text.encode("utf-8")).hexdigest()
         try:
             with self._tx() as db:
                 row = db.execute("SELECT id FROM documents WHERE conversation_id = ? AND sha256 = ?",

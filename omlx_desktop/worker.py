@@ -443,6 +443,15 @@ class EngineWorker(QObject):
             self.session, self.conv = session, conv
             session.load_messages(request.messages)
             for d in request.documents:
+                if not d.text and d.path:       # a file too large to hold: read from it again
+                    try:
+                        doc = session.add_document(d.path, name=d.name, prefill=False,
+                                                   pinned=d.pinned, doc_id=d.key)
+                    except DocumentError as exc:
+                        self.error.emit(Failure(exc.kind, f"{d.name} cannot be read: {exc.user_message}"))
+                        continue
+                    doc.path = d.path
+                    continue
                 try:
                     doc = session.add_document(text=d.text, name=d.name, prefill=False,
                                                pinned=d.pinned, doc_id=d.key)

@@ -20,8 +20,8 @@ class DocumentRequests:
         self.w = host
 
     def add_document(self, request: AddDocument) -> None:
+        from engine.documents import DocumentFile, open_document
         from engine.errors import DocumentError
-        from engine.session import read_document
 
         w = self.w
         conv, key, path = request.conv, request.key, request.path
@@ -29,10 +29,13 @@ class DocumentRequests:
         try:
             w.check_conv(conv)
             w.apply_settings()          # read it into the cache format the next turn uses
-            text = request.text if request.text is not None else read_document(path)
+            # a file too large to hold comes as a DocumentFile: read by retrieval from the file
+            text = request.text if request.text is not None else open_document(path)
             name = request.name or Path(path).name
             for d in w.session.documents:
-                if d.text == text:
+                if d.text == text or (getattr(d, "file", None) is not None
+                                      and isinstance(text, DocumentFile)
+                                      and d.file.sha256 == text.sha256):
                     raise DocumentError(f"{name} is already in this conversation (as {d.name})")
 
             def progress(done: int, total: int) -> None:
@@ -45,7 +48,10 @@ class DocumentRequests:
         except Exception as exc:
             failure = failure_of(exc, f"document {path or request.name} refused")
             needs_ctx, can_retrieve = 0, False
-            if isinstance(exc, DocumentError) and text is not None and w.session is not None \
+            if isinstance(text, DocumentFile):  # refused whole: retrieval reads it
+                can_retrieve = isinstance(exc, DocumentError) and w.session is not None \
+                    and getattr(w.session, "doc_mode", None) == "whole"
+            elif isinstance(exc, DocumentError) and text is not None and w.session is not None \
                     and w.engine is not None and not any(d.text == text for d in w.session.documents):
                 # it was read but does not fit: the ways to make it fit
                 n_tokens = len(w.engine.tokenizer.encode(text))
@@ -54,7 +60,9 @@ class DocumentRequests:
             w.documentFailed.emit(DocumentFailed(conv, key, failure, needs_ctx, can_retrieve))
             return
         w.publish_kv()
-        w.documentAdded.emit(DocumentAdded(conv, w.document_info(doc), doc.text))
+        file = getattr(doc, "file", None)
+        w.documentAdded.emit(DocumentAdded(conv, w.document_info(doc), doc.text,
+                                           file.sha256 if file is not None else None))
         w.documentsChanged.emit(w.documents_of(conv))
 
     def set_pinned(self, request: SetPinned) -> None:

@@ -148,3 +148,52 @@ def test_the_retrieval_budget_is_set_per_conversation_and_bounds_the_sections(wi
     assert window.store.get_setting(f"retrieval_tokens:{window.conv_id}") == 0
     window.open_conversation(conv)
     assert panel.retrieval_tokens() == 800
+
+
+def test_a_file_too_large_to_hold_is_read_from_the_file_by_retrieval(window, tmp_path, monkeypatch):
+    from engine import documents
+
+    from .test_file_index import FACTS, write_planted
+
+    monkeypatch.setattr(documents, "STREAM_BYTES", 1 << 20)  # as a file over 64 MB is, at 3 MB
+    window.new_conversation()
+    window.kv_panel.ctx_spin.setValue(2048)
+    doc = tmp_path / "archive.txt"
+    fact_lines = write_planted(doc, 3 << 20)
+    drop(window, doc)
+    key = window.documents.keys()[-1]
+    added(window, key)
+    assert key in window.docs.doc_ids, window.errors[-1:]
+    row = window.documents.rows[key]
+    wait_until(lambda: row.badge.isVisibleTo(row), what="the index")
+    assert "retrieval" in row.info_label.text() and row.badge.text() == "indexed"
+    stored = window.store.document(window.docs.doc_ids[key])
+    assert stored.text == "" and stored.path == str(doc) and stored.n_tokens > 500_000
+    assert len(stored.sha256) == 64
+
+    answer = ask(window, FACTS[1][1], 16)
+    sections = answer["stats"]["retrieved"]
+    hit = next(j for j, s in enumerate(sections) if s["start"] <= fact_lines[1] <= s["end"])
+    window.transcript.setSource(QUrl(window.transcript.section_links()[hit]))
+    preview = window.docs.preview
+    assert preview is not None and FACTS[1][0] in preview.view.toPlainText()  # read from the file
+    preview.close()
+
+    # the same file again is the same document; the conversation opened again reads the file
+    n_errors = len(window.errors)
+    drop(window, doc)
+    again = window.documents.keys()[-1]
+    wait_until(lambda: len(window.errors) > n_errors, what="the refusal")
+    assert again not in window.docs.doc_ids and "already in this conversation" in window.errors[-1]
+    conv, stored_key = window.conv_id, f"d{window.docs.doc_ids[key]}"
+    window.open_conversation(conv)
+    row = window.documents.rows[stored_key]
+    wait_until(lambda: row.badge.isVisibleTo(row), what="the index loaded")
+    assert ask(window, FACTS[2][1], 8)["stats"]["retrieved"]
+    # gone: said when the conversation opens, and the rest of it opens
+    n_errors = len(window.errors)
+    doc.unlink()
+    window.open_conversation(conv)
+    wait_until(lambda: len(window.errors) > n_errors, what="the error")
+    assert any("archive.txt cannot be read" in e for e in window.errors[n_errors:]), window.errors[n_errors:]
+    assert window.conv_id == conv and window.store.messages(conv)
