@@ -48,7 +48,8 @@ log = logging.getLogger("omlx.retrieval")
 
 FILE_INDEX_FORMAT = 1
 PARTITIONS = 256
-FLUSH_POSTINGS = 1 << 20  # postings held before they are written to their partitions
+FLUSH_POSTINGS = 1 << 19  # postings held before they are written to their partitions
+READ_POSTINGS = 1 << 18   # postings read from a partition file at a time
 K1, B = 1.5, 0.75
 UNIT_DTYPE = np.dtype([("start", "<i8"), ("end", "<i8"), ("paragraph", "<i8"), ("n_tokens", "<i4"),
                        ("offset", "<i8"), ("length", "<i4"), ("crc", "<u4")])
@@ -336,7 +337,7 @@ class FileIndex(DocumentIndex):
                                     zlib.crc32(text.encode("utf-8", "surrogatepass"))))
                     counts["units"] += 1
                     counts["tokens"] += n
-                    if len(pending) >= 65536:
+                    if len(pending) >= 8192:
                         flush_units()
                     yield n, text
 
@@ -367,24 +368,38 @@ class FileIndex(DocumentIndex):
         often as the question has it; zeros when none of its words occurs)."""
         n = len(self.lengths)
         out = np.zeros(n, dtype=np.float32)
-        parts: dict[int, np.ndarray] = {}
         norm = K1 * (1 - B + B * self.lengths / self.avgdl)
+        found: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for word in words(query):
             term = term_id(word)
-            p = term % PARTITIONS
-            if p not in parts:
-                f = self.path / "postings" / f"{p:03d}"
-                parts[p] = np.fromfile(f, dtype=POSTING_DTYPE) if f.exists() else np.empty(0, POSTING_DTYPE)
-            rec = parts[p]
-            hit = rec[rec["term"] == term]
-            if not len(hit):
+            if term not in found:
+                found[term] = self._postings(term)
+            c, tf = found[term]
+            if not len(c):
                 continue
-            df = len(hit)
+            df = len(c)
             idf = np.log(1 + (n - df + 0.5) / (df + 0.5))
-            c = hit["chunk"].astype(np.int64)
-            tf = hit["tf"].astype(np.float32)
             out[c] += (idf * tf / (tf + norm[c])).astype(np.float32)
         return out
+
+    def _postings(self, term: int) -> tuple[np.ndarray, np.ndarray]:
+        """The chunks holding ``term`` and its count in each, from its partition file read
+        READ_POSTINGS records at a time."""
+        chunks, tfs = [], []
+        f = self.path / "postings" / f"{term % PARTITIONS:03d}"
+        if f.exists():
+            with open(f, "rb") as fh:
+                while True:
+                    rec = np.fromfile(fh, dtype=POSTING_DTYPE, count=READ_POSTINGS)
+                    if not len(rec):
+                        break
+                    hit = rec["term"] == term
+                    if hit.any():
+                        chunks.append(rec["chunk"][hit].astype(np.int64))
+                        tfs.append(rec["tf"][hit].astype(np.float32))
+        if not chunks:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        return np.concatenate(chunks), np.concatenate(tfs)
 
 
 __all__ = ["FileIndex", "FileUnits", "FILE_INDEX_FORMAT", "PARTITIONS"]

@@ -7,6 +7,7 @@ by `omlx ask`."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -27,8 +28,8 @@ MiB = 1 << 20
 FACTS = [
     ("The zephyrine lighthouse keeper is named Orvald Brisk.",
      "What is the name of the zephyrine lighthouse keeper?", "Orvald"),
-    ("The vault under the quarry opens with the code 90817.",
-     "Which code opens the vault under the quarry?", "90817"),
+    ("The access code for the north gate is 4471.",
+     "What is the access code for the north gate?", "4471"),
     ("The marmalade festival is held every year in Tollbridge.",
      "Where is the marmalade festival held?", "Tollbridge"),
 ]
@@ -61,6 +62,8 @@ def awkward_text(seed: int = 1) -> str:
 def write_planted(path, size: int) -> list[int]:
     """About ``size`` bytes of paragraphs of the GPL with FACTS planted at a quarter, half and
     three quarters of the way; returns their line numbers."""
+    paragraphs = GPL.rstrip("\n").split("\n\n")
+    half = "\n\n".join(paragraphs[:len(paragraphs) // 2]) + "\n\n"
     block = (GPL.rstrip("\n") + "\n\n").encode()
     copies = max(size // len(block), 4)
     at = {copies * (i + 1) // (len(FACTS) + 1): fact for i, (fact, _, _) in enumerate(FACTS)}
@@ -68,12 +71,14 @@ def write_planted(path, size: int) -> list[int]:
     with open(path, "wb") as f:
         line = 1
         for i in range(copies):
-            if i in at:
-                f.write(at[i].encode() + b"\n\n")
-                lines.append(line)
-                line += 2
-            f.write(block)
-            line += block.count(b"\n")
+            if i in at:  # in the middle of this copy, as a paragraph of its own
+                lines.append(line + half.count("\n"))
+                f.write((half + at[i] + "\n\n").encode())
+                f.write(block[len(half.encode()):])
+                line += block.count(b"\n") + 2
+            else:
+                f.write(block)
+                line += block.count(b"\n")
     return lines
 
 
@@ -112,6 +117,12 @@ def test_opening_a_large_file_checks_it_as_reading_does(tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("Short and sweet.\n")
     assert open_document(small, stream_bytes=MiB) == read_document(small)
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"words on a line\n" * 100_000)
+    opened = open_document(big, stream_bytes=MiB)
+    assert isinstance(opened, DocumentFile) and opened.name == "big.txt"
+    with pytest.raises(DocumentError, match=r"big\.txt is 2 MB: documents sent whole can be up to 64 MB"):
+        documents.document_text(None, opened, None)  # what a remote server's session is given
 
 
 def test_a_session_reads_a_large_file_by_retrieval_and_says_when_it_changed(tiny, tmp_path, monkeypatch):  # noqa: F811
@@ -172,14 +183,16 @@ RSS_SCRIPT = textwrap.dedent("""
 
     model, path, questions = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     session = Session(Engine.load(model, kv="k6v4"), ctx=2048, doc_mode="auto")
+    session.engine.model_id  # the model file's sha256 (read through its mapping): not the document's
     base = rss_bytes()
     t = time.perf_counter()
     doc = session.add_document(path, prefill=False)
     seconds = time.perf_counter() - t
+    indexed = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     best = [doc.index.chunk_text(doc.index.chunks[rank(q, [(doc.name, doc.index)])[0].chunk])
             for q in questions]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"growth": peak - base, "base": base, "seconds": seconds, "mode": doc.mode,
+    print(json.dumps({"growth": peak - base, "indexed": indexed, "base": base, "seconds": seconds, "mode": doc.mode,
                       "tokens": doc.n_tokens, "chunks": len(doc.index.chunks), "best": best}))
 """)
 
@@ -190,12 +203,14 @@ def test_a_200_mb_text_file_is_indexed_within_200_mb_and_answered_from(smollm2_p
     fact_lines = write_planted(path, 200 * MiB)
     assert 195 * MiB < path.stat().st_size <= 200 * MiB
     out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(smollm2_path), str(path),
-                          json.dumps([q for _, q, _ in FACTS])],
-                         capture_output=True, text=True, timeout=3600)
+                          json.dumps([q for _, q, _ in FACTS])],  # kernels ready before the baseline
+                         capture_output=True, text=True, timeout=3600,
+                         env={**os.environ, "OMLX_KERNEL_WARMUP": "wait"})
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     print(f"200 MB: indexed in {report['seconds']:.0f} s, peak RSS growth "
-          f"{report['growth'] / MiB:.0f} MiB over {report['base'] / MiB:.0f} MiB, "
+          f"{report['growth'] / MiB:.0f} MiB over {report['base'] / MiB:.0f} MiB "
+          f"({report['indexed'] / MiB:.0f} MiB when indexed), "
           f"{report['chunks']:,} chunks, {report['tokens']:,} tokens")
     assert report["mode"] == "retrieval" and report["tokens"] > 40_000_000
     assert report["growth"] <= 200 * MiB, report
