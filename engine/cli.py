@@ -306,10 +306,30 @@ def _session(args):
                       overflow=args.overflow, doc_mode=args.doc_mode,
                       retrieval_tokens=args.retrieval_tokens)
     for path in args.doc or []:
-        doc = session.add_document(path, prefill=args.prefill_docs)
+        doc = session.add_document(path, prefill=args.prefill_docs, progress=_indexing(path))
         how = "whole" if doc.mode == "whole" else f"by retrieval, {len(doc.index.chunks):,} sections"
         print(f"pinned {doc.name}: {doc.n_tokens:,} tokens ({how})", file=sys.stderr)
     return engine, session
+
+
+def _indexing(path):
+    """For a file indexed from the file (over documents.STREAM_BYTES: minutes for hundreds of
+    MB), a progress callback printing every tenth on stderr; else None."""
+    from . import documents
+
+    try:
+        if Path(path).stat().st_size <= documents.STREAM_BYTES:
+            return None
+    except OSError:
+        return None
+    shown = [0]
+
+    def progress(done: int, total: int) -> None:
+        tenth = 10 * done // max(total, 1)
+        if total > 1 and shown[0] < tenth < 10:
+            shown[0] = tenth
+            print(f"indexing {Path(path).name}: {10 * tenth}%", file=sys.stderr, flush=True)
+    return progress
 
 
 def _stats_line(s) -> str:
