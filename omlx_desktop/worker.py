@@ -445,8 +445,12 @@ class EngineWorker(QObject):
             for d in request.documents:
                 if not d.text and d.path:       # a file too large to hold: read from it again
                     try:
-                        doc = session.add_document(d.path, name=d.name, prefill=False,
-                                                   pinned=d.pinned, doc_id=d.key)
+                        try:
+                            doc = session.add_document(d.path, name=d.name, prefill=False,
+                                                       pinned=d.pinned, doc_id=d.key)
+                        except DocumentError as exc:  # e.g. whole mode: kept unpinned if it reads
+                            doc = session.add_document(d.path, name=d.name, pinned=False, doc_id=d.key)
+                            self.error.emit(Failure(exc.kind, f"{d.name} is no longer pinned: {exc.user_message}"))
                     except DocumentError as exc:
                         self.error.emit(Failure(exc.kind, f"{d.name} cannot be read: {exc.user_message}"))
                         continue
