@@ -212,10 +212,13 @@ def test_derived_k6v4_and_k4v4_are_within_a_quarter_of_direct_kl(smollm2_path):
     from engine.engine import Engine
     from engine.evaluate import evaluate_derived
 
+    # the docs' measurement (1,536 derived tokens, 512 positions after them): over 768 / 256 the
+    # ratio moved with the machine's BLAS (K4V4 1.29 on a Xeon with SkylakeX kernels, where
+    # 1,536 / 512 gives 0.80)
     engine = Engine.load(smollm2_path, kv="full")
-    ids = engine.tokenizer.encode(_gpl(), add_bos=True)[:1025]
-    for r in evaluate_derived(engine, ids, ["k6v4", "k4v4"], prefix_tokens=768):
-        assert r["prefix_tokens"] == 768 and r["positions"] == 256
+    ids = engine.tokenizer.encode(_gpl(), add_bos=True)[:2049]
+    for r in evaluate_derived(engine, ids, ["k6v4", "k4v4"], prefix_tokens=1536):
+        assert r["prefix_tokens"] == 1536 and r["positions"] == 512
         assert r["derived_kl"] <= 1.25 * r["direct_kl"], r
 
 
