@@ -170,6 +170,37 @@ def test_disk_round_trip_and_damaged_files_are_ignored(tiny, tmp_path, caplog):
         assert not path.exists()  # never trusted again
 
 
+def test_a_saved_file_with_a_foreign_header_is_skipped_not_raised(tiny, tmp_path, caplog):
+    """Right magic and version, a header that is not what this build writes (a list; the right
+    model, layout and keys but fields missing or of the wrong type): ignored with a warning and
+    removed, like any damaged file; the prompt is prefilled instead."""
+    import json as json_module
+    import struct
+
+    from engine.kv.prefix import FORMAT_VERSION
+
+    disk = PrefixDiskStore(tmp_path / "prefixes")
+    ids = tokens(40, seed=14)
+    cache = make_cache(tiny, disk=disk)
+    seq = cache.new_sequence()
+    prefill(tiny, seq, ids)
+    path = cache.save(list(seq.chain_keys))
+    good = path.read_bytes()
+    header_len = struct.unpack("<II", good[8:16])[1]
+    header = json_module.loads(good[16 : 16 + header_len])
+    for foreign in ([1, 2], dict(header, layers=None), {k: v for k, v in header.items() if k != "sink_shape"},
+                    dict(header, layers=[{"k_row": "x"}] * len(header["layers"]))):
+        body = json_module.dumps(foreign).encode()
+        path.write_bytes(b"OMLXKVP\0" + struct.pack("<II", FORMAT_VERSION, len(body)) + body
+                         + good[16 + header_len :])
+        fresh = make_cache(tiny, disk=disk)
+        with caplog.at_level(logging.WARNING, logger="omlx.kv.prefix"):
+            caplog.clear()
+            assert fresh.attach(fresh.new_sequence(), ids + [5]).tokens == 0  # the whole saved chain asked
+        assert "ignoring cached prefix" in caplog.text
+        assert not path.exists()
+
+
 def test_disk_budget_removes_least_recently_used(tiny, tmp_path):
     disk = PrefixDiskStore(tmp_path / "p", budget_bytes=1)
     cache = make_cache(tiny, disk=disk)

@@ -29,6 +29,7 @@ entries (source "master"), so `adopt_prefix` takes them like directly computed o
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -397,6 +398,23 @@ class PrefixFileError(Exception):
     """A saved prefix that cannot be trusted."""
 
 
+_SAVE_NUMBERS = itertools.count()  # makes each save's temporary file name unique in this process
+
+
+@dataclass
+class PendingSave:
+    """A chain's blocks copied out of the pools (PrefixDiskStore.snapshot), to be written."""
+
+    path: Path
+    header: dict  # without the payload's size and checksum, which `write` adds
+    parts: list[bytes]  # the payload, in file order
+    tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+
 class PrefixDiskStore:
     """Saved prefixes, one file per chain, named by the chain's last key.
 
@@ -426,9 +444,9 @@ class PrefixDiskStore:
         except OSError:
             return 0
         for p in stale:
-            try:
-                pid = int(p.name.rsplit(".", 2)[-2])
-            except ValueError:
+            try:  # KEY.kvprefix.PID.N.tmp (an older build wrote KEY.kvprefix.PID.tmp)
+                pid = int(p.name[: -len(".tmp")].split(_SUFFIX + ".", 1)[1].split(".")[0])
+            except (ValueError, IndexError):
                 continue
             if pid != os.getpid() and not psutil.pid_exists(pid):
                 p.unlink(missing_ok=True)
@@ -441,13 +459,26 @@ class PrefixDiskStore:
 
     # -- writing -----------------------------------------------------------------------------
     def save(self, cache: PrefixCache, keys: list[bytes]) -> Path | None:
+        """Write the chain ending at keys[-1] (its blocks in `cache`) to disk, atomically: a
+        temporary file renamed into place. Returns the file, None when it could not be written
+        (logged; the prefix stays in memory)."""
+        pending = self.snapshot(cache, keys)
+        return pending if isinstance(pending, Path) else self.write(pending)
+
+    def snapshot(self, cache: PrefixCache, keys: list[bytes]) -> "Path | PendingSave":
+        """What `write` needs to save the chain, copied out of the pools now (the caller's
+        thread, which owns them), so that the write can run on another thread while the pools
+        change. The saved file's path instead when it exists already (touched: recently used)."""
         if not self._swept:  # once per store: what a killed process left behind
             self._swept = True
             self.sweep_stale()
         path = self.path_for(keys[-1])
         if path.exists():
-            os.utime(path)
-            return path
+            try:
+                os.utime(path)
+                return path
+            except OSError:  # removed meanwhile (another process's budget): write it again
+                pass
         entries = [cache.entries[k] for k in keys]
         layers, parts = [], []
         for layer, pool in enumerate(cache.pools):
@@ -463,18 +494,30 @@ class PrefixDiskStore:
             for sk, sv in sinks:
                 parts.append(np.ascontiguousarray(sk, np.float32).tobytes())
                 parts.append(np.ascontiguousarray(sv, np.float32).tobytes())
-        payload = b"".join(parts)
-        header = json.dumps({
+        header = {
             "version": FORMAT_VERSION, "model": cache.model_id, "layout": cache.signature,
             "keys": [k.hex() for k in keys], "layers": layers, "sink_shape": sink_shape,
             "sink_v_dim": int(sinks[0][1].shape[-1]) if sinks else 0,
-            "payload_bytes": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest(),
-        }).encode()
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        }
+        return PendingSave(path, header, parts, len(keys) * cache.B)
+
+    def write(self, pending: "PendingSave") -> Path | None:
+        """Write a snapshot: checksum, a temporary file named by this process and save, renamed
+        into place (a reader sees the whole file or none; a killed writer leaves only the
+        temporary file, which `sweep_stale` removes later). Any thread; an OSError (a full disk,
+        a size limit, no permission) is logged and None returned."""
+        path, parts = pending.path, pending.parts
+        digest = hashlib.sha256()
+        for part in parts:
+            digest.update(part)
+        header = json.dumps(dict(pending.header, payload_bytes=sum(len(p) for p in parts),
+                                 payload_sha256=digest.hexdigest())).encode()
+        tmp = path.with_name(path.name + f".{os.getpid()}.{next(_SAVE_NUMBERS)}.tmp")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(_MAGIC + struct.pack("<II", FORMAT_VERSION, len(header)) + header + payload)
+                f.write(_MAGIC + struct.pack("<II", FORMAT_VERSION, len(header)) + header)
+                f.writelines(parts)
             tmp.replace(path)
         except OSError as exc:  # a full disk, a size limit, no permission: the prefix stays in memory
             log.warning("cannot save the cached prefix to %s: %s", path, exc)
@@ -483,25 +526,37 @@ class PrefixDiskStore:
             except OSError:
                 pass
             return None
-        log.info("saved %d cached tokens to %s (%.1f MiB)", len(keys) * cache.B, path,
-                 path.stat().st_size / 2**20)
+        try:
+            size = path.stat().st_size
+        except OSError:  # removed at once by another process's budget
+            return None
+        log.info("saved %d cached tokens to %s (%.1f MiB)", pending.tokens, path, size / 2**20)
         self.enforce_budget(keep=path)
         return path
 
     def enforce_budget(self, keep: Path | None = None) -> None:
         """Remove the least recently used files until the total fits the budget."""
+        files = []
         try:
-            files = sorted(self.directory.glob("*" + _SUFFIX), key=lambda p: p.stat().st_mtime)
+            for p in self.directory.glob("*" + _SUFFIX):
+                try:
+                    st = p.stat()
+                except OSError:  # removed meanwhile (another process sharing the folder)
+                    continue
+                files.append((st.st_mtime, st.st_size, p))
         except OSError:
             return
-        total = sum(p.stat().st_size for p in files)
-        for p in files:
+        files.sort(key=lambda f: f[0])
+        total = sum(size for _, size, _ in files)
+        for _, size, p in files:
             if total <= self.budget_bytes:
                 break
             if keep is not None and p == keep:
                 continue
-            size = p.stat().st_size
-            p.unlink(missing_ok=True)
+            try:
+                p.unlink(missing_ok=True)
+            except OSError:
+                continue
             total -= size
             log.info("removed cached prefix %s (disk budget %.0f MiB)", p.name, self.budget_bytes / 2**20)
 
@@ -552,8 +607,18 @@ class PrefixDiskStore:
         return 0
 
     def _read(self, cache: PrefixCache, path: Path, keys: list[bytes]):
-        """The checked blocks of a saved chain: (per layer (present flags, K rows, V rows), sinks)."""
+        """The checked blocks of a saved chain: (per layer (present flags, K rows, V rows), sinks).
+        PrefixFileError for anything but a whole file this cache can take (OSError when it
+        cannot be read)."""
         data = path.read_bytes()
+        try:
+            return self._parse(cache, data, keys)
+        except PrefixFileError:
+            raise
+        except Exception as exc:  # a header of the right shape whose fields are not (foreign, damaged)
+            raise PrefixFileError(f"unreadable ({type(exc).__name__}: {exc})") from None
+
+    def _parse(self, cache: PrefixCache, data: bytes, keys: list[bytes]):
         if len(data) < 16 or data[:8] != _MAGIC:
             raise PrefixFileError("not a saved KV prefix")
         version, header_len = struct.unpack("<II", data[8:16])
@@ -563,6 +628,8 @@ class PrefixDiskStore:
             header = json.loads(data[16 : 16 + header_len])
         except ValueError as exc:
             raise PrefixFileError(f"damaged header ({exc})") from None
+        if not isinstance(header, dict):
+            raise PrefixFileError("damaged header")
         payload = data[16 + header_len :]
         if header.get("model") != cache.model_id:
             raise PrefixFileError("saved for another model file")
