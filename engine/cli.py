@@ -664,6 +664,7 @@ def cmd_serve(args) -> int:
     _check_fit(path, args)
     engine = Engine.load(path, kv=args.kv)
     engine.speculate = args.speculate  # drafts in the decode batches (serve.scheduler)
+    engine.disk_cache = not args.no_disk_cache  # system prompts' KV saved under the cache folder
     limits = ServeLimits(ctx=args.ctx or engine.model.context_length, max_batch=args.max_batch,
                          kv_tokens=args.kv_tokens, queue_timeout=args.queue_timeout,
                          prefill_chunk=args.prefill_chunk)
@@ -956,6 +957,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens prefilled between two decode steps (default 512; smaller keeps "
                         "running streams flowing while a long prompt is read)")
+    p.add_argument("--no-disk-cache", action="store_true",
+                   help="keep the prefix cache in memory only: no system prompt's KV saved to or loaded from "
+                        "the cache folder ($OMLX_CACHE_DIR, default the user cache folder's omlx-desktop/prefixes)")
     _add_speculate(p)
     _add_kv(p, None)
     _add_force(p)

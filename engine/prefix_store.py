@@ -137,3 +137,103 @@ class PrefixStore:
         Never creates one: safe to poll from a monitoring thread."""
         caches = [c for c in (self.current, self.master) if c is not None]
         return sum(c.nbytes for c in caches), sum(c.capacity_bytes for c in caches)
+
+
+class PrefixSaver:
+    """Saves prefixes to disk off the caller's thread (`omlx serve`'s engine thread): `offer`
+    copies the chain's blocks out of the pools (the caller owns them) and queues the copy; a
+    thread of its own checksums and writes it (PrefixDiskStore.write: a temporary file renamed
+    into place). At most `max_pending` copies wait; more offers are dropped until there is room
+    (a client changing its system prompt every request must not pile up copies). A chain whose
+    save failed (a full disk) is not offered again for `retry_s` seconds. `stop` lets the queued
+    writes finish (up to a timeout). The thread also sweeps the temporary files of processes
+    that are gone when it starts."""
+
+    def __init__(self, disk, *, max_pending: int = 2, retry_s: float = 60.0):
+        import collections
+
+        self.disk = disk
+        self.max_pending = max_pending
+        self.retry_s = retry_s
+        self._queue: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._busy: set = set()  # paths queued or being written
+        self._failed: dict = {}  # path → monotonic time of the failed write
+        self._stopping = False
+        self.saved = 0  # files written
+        self.failed = 0  # writes that failed (logged by the store)
+        self.dropped = 0  # offers dropped with max_pending copies waiting
+        self._sweep = not disk._swept  # the thread sweeps (not the first snapshot, on the caller's thread)
+        disk._swept = True
+        self._thread = threading.Thread(target=self._run, name="omlx-prefix-saver", daemon=True)
+        self._thread.start()
+
+    def offer(self, cache, keys) -> str:
+        """Save the chain `keys` of `cache` unless it is saved (its file is touched then), being
+        saved, failed lately or the queue is full. Returns what happened: "saved", "queued",
+        "busy", "failed lately", "dropped"."""
+        import time
+
+        path = self.disk.path_for(keys[-1])
+        with self._cond:
+            if path in self._busy:
+                return "busy"
+            failed_at = self._failed.get(path)
+            if failed_at is not None and time.monotonic() - failed_at < self.retry_s:
+                return "failed lately"
+            if len(self._busy) >= self.max_pending:
+                self.dropped += 1
+                return "dropped"
+        from .kv.prefix import PendingSave
+
+        pending = self.disk.snapshot(cache, keys)  # the copy: on the caller's thread, outside the lock
+        if not isinstance(pending, PendingSave):
+            return "saved"  # on disk already
+        with self._cond:
+            self._busy.add(path)
+            self._queue.append(pending)
+            self._cond.notify()
+        return "queued"
+
+    def _run(self) -> None:
+        import time
+
+        if self._sweep:
+            try:
+                self.disk.sweep_stale()
+            except Exception:
+                log.exception("sweeping stale prefix files failed")
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                pending = self._queue[0]
+            try:
+                path = self.disk.write(pending)
+            except Exception:  # a bug must not end the thread: the prefix stays in memory
+                log.exception("saving the cached prefix %s failed", pending.path)
+                path = None
+            with self._cond:
+                self._queue.popleft()
+                self._busy.discard(pending.path)
+                if path is None:
+                    self.failed += 1
+                    self._failed[pending.path] = time.monotonic()
+                else:
+                    self.saved += 1
+                    self._failed.pop(pending.path, None)
+                self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every queued save is written; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue, timeout)
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Finish the queued writes (up to `timeout` seconds) and end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout)

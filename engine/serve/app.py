@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
@@ -45,6 +46,7 @@ MAX_BODY_BYTES = 4 << 20  # request bodies above this are refused (413) before t
 DRAIN_MAX_BYTES = 256 << 20  # an oversized body is read (and dropped) this far before the 413 goes out
 ANTHROPIC_ENDPOINTS = ("messages", "count_tokens")  # answered with Anthropic's error object
 RETRY_AFTER_S = 5  # the Retry-After of a 429: a guess at when a slot or KV budget frees up
+PREFIX_MEMO = 16  # system turns whose token ids are remembered (rendered once, not per request)
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks whether its client left
 
 
@@ -94,6 +96,8 @@ class OpenAIServer:
         self.served_ids = tuple(dict.fromkeys([self.model_id, engine.name, engine.path.name, engine.path.stem]))
         self.created = int(time.time())
         self.tool_family = tools.template_family(engine.tokenizer.chat_template)  # the tool-call syntax
+        self._prefix_memo: OrderedDict[str, list[int]] = OrderedDict()  # system turn → its token ids
+        self._prefix_lock = threading.Lock()  # prompts are encoded on the thread pool
         guarded = self._guarded
         routes = [
             Route("/health", guarded("health", self.health), methods=["GET"]),
@@ -287,6 +291,7 @@ class OpenAIServer:
                 except OmlxError as exc:
                     raise bad(f"a tool's parameters cannot be used to constrain its call: {exc.user_message}",
                               "tools") from None
+            req.prefix_tokens = self._system_turn_tokens(prepared.messages, prepared.tools, ids)
             prefill = getattr(req, "prefill", "") + prepared.prefill
             if prefill:
                 ids = ids + e.tokenizer.encode(prefill, add_bos=False, parse_special=False)
@@ -294,6 +299,36 @@ class OpenAIServer:
         if isinstance(req.prompt, list):
             return list(req.prompt)
         return e.encode_prompt(req.prompt)
+
+    def _system_turn_tokens(self, messages: list[dict], tools_: list | None, ids: list[int]) -> int:
+        """How many leading tokens of the prompt `ids` are its system turn (the leading system
+        messages and the tools, as the template renders them alone): the prefix other requests
+        with the same system prompt share, which the scheduler saves to disk. 0 without a system
+        message (or when the conversation is all system messages)."""
+        lead = 0
+        while lead < len(messages) and messages[lead].get("role") == "system":
+            lead += 1
+        if lead == 0 or lead == len(messages):
+            return 0
+        key = json.dumps([messages[:lead], tools_], sort_keys=True, default=str)
+        with self._prefix_lock:
+            system_ids = self._prefix_memo.get(key)
+            if system_ids is not None:
+                self._prefix_memo.move_to_end(key)
+        if system_ids is None:
+            try:
+                system_ids = self.engine.encode_chat(messages[:lead], add_generation_prompt=False, tools=tools_)
+            except Exception:  # a template that needs a user turn: nothing saved
+                system_ids = []
+            with self._prefix_lock:
+                self._prefix_memo[key] = system_ids
+                while len(self._prefix_memo) > PREFIX_MEMO:
+                    self._prefix_memo.popitem(last=False)
+        n = min(len(system_ids), len(ids))
+        i = 0
+        while i < n and system_ids[i] == ids[i]:
+            i += 1
+        return i
 
     def _parse(self, kind: str, body: dict):
         if kind == "chat":
@@ -368,7 +403,7 @@ class OpenAIServer:
                 sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
             job = Job(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, sink=sink,
                       stop=req.stop, id=job_id if req.n == 1 else f"{job_id}-{index}", logprobs=req.logprobs,
-                      processors=processors)
+                      processors=processors, prefix_tokens=getattr(req, "prefix_tokens", 0))
             return job, events, view
 
         choices = [choice(i) for i in range(req.n)]

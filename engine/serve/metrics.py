@@ -55,6 +55,8 @@ class Metrics:
         self.finish_reasons = _Tally()
         self.prompt_tokens = _Value()
         self.cached_tokens = _Value()
+        self.disk_cached_tokens = _Value()  # of those, read from saved prefixes on disk
+        self.prefix_saves = {"written": _Value(), "failed": _Value(), "dropped": _Value()}  # PrefixSaver's
         self.generated_tokens = _Value()
         self.drafted_tokens = _Value()  # speculative decoding: tokens drafted by prompt lookup
         self.accepted_tokens = _Value()  # of those, the ones the model agreed with (kept)
@@ -119,6 +121,13 @@ class Metrics:
             metric("omlx_prompt_tokens_total", "counter", "prompt tokens of admitted requests", [((), prompt)])
             metric("omlx_cached_prompt_tokens_total", "counter",
                    "prompt tokens taken from the prefix cache instead of prefilled", [((), cached)])
+            metric("omlx_disk_cached_prompt_tokens_total", "counter",
+                   "of the cached prompt tokens, those read from prefixes saved on disk",
+                   [((), self.disk_cached_tokens.value)])
+            metric("omlx_prefix_saves_total", "counter",
+                   "system-prompt prefixes saved to disk, by result (written; failed, e.g. a full disk; "
+                   "dropped with saves already waiting)",
+                   [((("result", r),), v.value) for r, v in self.prefix_saves.items()])
             metric("omlx_generated_tokens_total", "counter", "tokens generated", [((), self.generated_tokens.value)])
             metric("omlx_drafted_tokens_total", "counter", "tokens drafted by prompt lookup (--speculate lookup)",
                    [((), self.drafted_tokens.value)])

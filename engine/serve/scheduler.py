@@ -34,6 +34,12 @@ plus the new one to fit in `max_blocks` less the blocks pinned in the prefix cac
 prefix cache holds for no sequence are evicted on demand, and shared blocks count in each
 reservation, so a running sequence always finds its blocks: it is never failed for lack of KV
 memory; a new one waits instead.
+
+Saved prefixes: with the engine's `disk_cache` on, a job's `prefix_tokens` (the system turn) are
+saved to the prefix cache's disk store once its prompt is prefilled, if they are not saved yet:
+the engine thread copies the blocks out of the pools between steps and a `PrefixSaver` thread
+writes the file, so a save (or a full disk) never holds up the streams. A new server on the same
+cache folder loads them when a prompt starts with them (`PrefixCache.attach`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from ..engine import Engine
 from ..errors import ContextFull, EngineError, KVPoolFull, OmlxError
 from ..kv.batch import DecodeBatch, PrefillBatch, SequenceBatch, VerifyBatch
 from ..memory import release_free_heap
+from ..prefix_store import PrefixSaver
 from ..decoding import STOP, STOP_STRING, LogitsProcessor, TokenLogprob, TokenStream
 from ..sampling import SamplingParams
 from ..speculate import SPECULATE_MODES, PromptLookup, agreed_tokens
@@ -153,6 +160,7 @@ class Job:
     id: str = ""
     processors: tuple[LogitsProcessor, ...] = ()  # per-sequence logits processors (decoding.TokenStream)
     logprobs: int | None = None  # top log-probabilities each Token carries (None: none)
+    prefix_tokens: int = 0  # leading prompt tokens worth saving to disk once prefilled (the system turn)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
 
@@ -236,6 +244,8 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._running: list[_Sequence] = []
         self.prefix = None  # the engine's PrefixCache, made on the engine thread at start
+        self.saver = None  # PrefixSaver: writes saved prefixes off the engine thread (disk_cache on)
+        self._to_save: list[Job] = []  # jobs whose prompt was prefilled this turn, their prefix to save
 
     # -- any thread ------------------------------------------------------------------------
     def start(self) -> None:
@@ -250,6 +260,8 @@ class Scheduler:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.saver is not None:
+            self.saver.stop(timeout)  # the queued saves are written
 
     @property
     def running(self) -> bool:
@@ -292,6 +304,9 @@ class Scheduler:
     # -- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         self.prefix = self.engine.prefix_cache()
+        if self.prefix.disk is not None and self.saver is None:
+            self.saver = PrefixSaver(self.prefix.disk)
+            log.info("system prompts' KV saved to and read from %s", self.prefix.disk.directory)
         log.info("engine thread: batches of up to %d sequences, KV budget %d tokens per layer (%d blocks of %d)",
                  self.limits.max_batch, self.kv_tokens, self.max_blocks, self.block_size)
         while not self._stopping:
@@ -302,6 +317,7 @@ class Scheduler:
                 self._admit()
                 worked = self._prefill_step() or worked
                 worked = self._decode_step() or worked
+                self._save_prefixes()
                 self._update_gauges()
             except Exception as exc:  # a bug or MemoryError must not end the engine thread
                 log.exception("engine step failed")
@@ -383,6 +399,7 @@ class Scheduler:
             self._running.append(seq)
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
             self.metrics.cached_tokens.inc(reuse.tokens)
+            self.metrics.disk_cached_tokens.inc(reuse.disk_tokens)
             if reuse.tokens:
                 log.debug("job %s: %d of %d prompt tokens from the prefix cache", job.id, reuse.tokens,
                           len(job.prompt_ids))
@@ -437,7 +454,32 @@ class Scheduler:
                 prefilled = sum(self._prefill_alone(seq, n) for seq, n in group)  # short of room fails
         release_free_heap()  # the chunks' temporaries: not resident while the next step runs
         self.metrics.observe_prefill(len(group), prefilled, time.perf_counter() - t0)
+        if self.saver is not None:
+            self._to_save.extend(seq.job for seq, _ in group if not seq.pending and seq.job.prefix_tokens)
         return True
+
+    def _save_prefixes(self) -> None:
+        """Offer the prefixes of the jobs prefilled this turn to the saver (after the decode
+        step, so that the copy does not delay it): the leading full blocks of each job's
+        `prefix_tokens` still in the prefix cache."""
+        jobs, self._to_save = self._to_save, []
+        for job in jobs:
+            n = min(job.prefix_tokens, len(job.prompt_ids)) // self.block_size
+            if n == 0:
+                continue
+            keys = self.prefix.chain_keys(job.prompt_ids[: n * self.block_size])
+            keys = keys[: self.prefix.usable_blocks(keys)]
+            if not keys:
+                continue
+            try:
+                t0 = time.perf_counter()
+                what = self.saver.offer(self.prefix, keys)
+            except Exception:  # never the requests' problem
+                log.exception("job %s: saving its prefix failed", job.id)
+                continue
+            if what == "queued":
+                log.debug("job %s: %d prefix tokens copied for saving in %.1f ms", job.id,
+                          len(keys) * self.block_size, (time.perf_counter() - t0) * 1e3)
 
     def _prefill_alone(self, seq: _Sequence, n: int) -> int:
         """Prefill the next n prompt tokens of `seq` by themselves; returns the tokens prefilled
@@ -609,6 +651,11 @@ class Scheduler:
         m.kv_bytes_in_use.set(self.prefix.nbytes)
         m.kv_bytes_allocated.set(self.prefix.capacity_bytes)
         m.kv_bytes_capacity.set(self.max_blocks * sum(p.k_row_bytes + p.v_row_bytes for p in self.prefix.pools))
+        if self.saver is not None:
+            saves = m.prefix_saves
+            saves["written"].set(self.saver.saved)
+            saves["failed"].set(self.saver.failed)
+            saves["dropped"].set(self.saver.dropped)
 
     # -- inspection (call through `call`) ------------------------------------------------------
     def sequence_blocks(self) -> int:
