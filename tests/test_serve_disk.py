@@ -239,3 +239,26 @@ def test_a_killed_server_restarted_on_its_cache_folder_serves_from_its_saved_pre
     assert f"loaded {cached} cached tokens" in server.stderr, server.stderr
     assert "Traceback" not in server.stderr, server.stderr
     assert not list((cache / "prefixes").glob("*.tmp"))
+
+
+GEMMA_LIKE_TEMPLATE = (  # Gemma's construct: the system prompt written into the first user turn
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set first = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for m in loop_messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ (first if loop.first else '') + m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, GEMMA_LIKE_TEMPLATE], ids=["chatml", "gemma-like"])
+def test_the_system_turn_is_found_whatever_the_template_does_with_it(tmp_path, template):
+    path = write_tiny_model(tmp_path / "t.gguf", context_length=TINY_CTX, chat_template=template, seed=3)
+    engine = Engine.load(path, kv="k8v8")
+    server = OpenAIServer(engine, ServeLimits(ctx=TINY_CTX, max_batch=2), ServeConfig(port=0, model_id="m"))
+    system = [{"role": "system", "content": SYSTEM}]
+    turns = [system + [{"role": "user", "content": q}] for q in ("Where did it sit?", "Was the door open?")]
+    ids = [engine.encode_chat(t) for t in turns]
+    n = server._system_turn_tokens(turns[0], None, ids[0])
+    shared = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    assert len(engine.tokenizer.encode(SYSTEM, add_bos=False)) - 2 < n <= shared  # the system text, no question
+    assert server._system_turn_tokens(turns[1], None, ids[1]) == n  # remembered, the same
+    assert server._system_turn_tokens(turns[0][1:], None, engine.encode_chat(turns[0][1:])) == 0

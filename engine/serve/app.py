@@ -71,6 +71,14 @@ class ServeConfig:
             raise SettingsError("--api-key must not be empty")
 
 
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -302,9 +310,11 @@ class OpenAIServer:
 
     def _system_turn_tokens(self, messages: list[dict], tools_: list | None, ids: list[int]) -> int:
         """How many leading tokens of the prompt `ids` are its system turn (the leading system
-        messages and the tools, as the template renders them alone): the prefix other requests
-        with the same system prompt share, which the scheduler saves to disk. 0 without a system
-        message (or when the conversation is all system messages)."""
+        messages and the tools): the prefix other requests with the same system prompt share,
+        which the scheduler saves to disk. Found as the tokens two renderings of the system
+        messages followed by different user messages share, so it also works for templates that
+        write the system prompt into the first user turn (Gemma's) or the tools there (Llama
+        3.1's). 0 without a system message (or when the conversation is all system messages)."""
         lead = 0
         while lead < len(messages) and messages[lead].get("role") == "system":
             lead += 1
@@ -317,18 +327,16 @@ class OpenAIServer:
                 self._prefix_memo.move_to_end(key)
         if system_ids is None:
             try:
-                system_ids = self.engine.encode_chat(messages[:lead], add_generation_prompt=False, tools=tools_)
-            except Exception:  # a template that needs a user turn: nothing saved
+                a, b = (self.engine.encode_chat([*messages[:lead], {"role": "user", "content": text}], tools=tools_)
+                        for text in ("A", "Z"))
+                system_ids = a[: _common_prefix(a, b)]
+            except Exception:  # a template raising on this conversation: nothing saved
                 system_ids = []
             with self._prefix_lock:
                 self._prefix_memo[key] = system_ids
                 while len(self._prefix_memo) > PREFIX_MEMO:
                     self._prefix_memo.popitem(last=False)
-        n = min(len(system_ids), len(ids))
-        i = 0
-        while i < n and system_ids[i] == ids[i]:
-            i += 1
-        return i
+        return _common_prefix(system_ids, ids)
 
     def _parse(self, kind: str, body: dict):
         if kind == "chat":
