@@ -126,6 +126,14 @@ def _checked_blocks(path: Path) -> Iterator[tuple[bytes, int]]:
     Raises:
         DocumentError: binary data, not UTF-8, or the file unreadable.
     """
+    for block, offset, _text in _decoded_blocks(path):
+        if block:
+            yield block, offset
+
+
+def _decoded_blocks(path: Path) -> Iterator[tuple[bytes, int, str]]:
+    """(block, its offset, its text) for each READ_BLOCK block of the file, checked as in
+    `_checked_blocks`, then (b"", the file's size, the decoder's last text) at its end."""
     decoder = codecs.getincrementaldecoder("utf-8-sig")()
     offset = 0
     try:
@@ -135,14 +143,14 @@ def _checked_blocks(path: Path) -> Iterator[tuple[bytes, int]]:
                 final = not block
                 _check_block(path, block, offset)
                 try:
-                    decoder.decode(block, final=final)
+                    text = decoder.decode(block, final=final)
                 except UnicodeDecodeError as exc:
                     raise DocumentError(
                         f"{path.name} is not UTF-8 text (byte {offset + exc.start}): save it as UTF-8, "
                         "or use .txt, .md or .pdf") from None
+                yield block, offset, text
                 if final:
                     return
-                yield block, offset
                 offset += len(block)
     except OSError as exc:
         raise DocumentError(f"cannot read {path.name}: {exc.strerror or exc}") from None
@@ -189,26 +197,7 @@ def read_document(path: str | Path) -> str:
 
 
 def _plain_text(path: Path) -> str:
-    decoder = codecs.getincrementaldecoder("utf-8-sig")()
-    parts: list[str] = []
-    offset = 0
-    try:
-        with path.open("rb") as f:
-            while True:
-                block = f.read(READ_BLOCK)
-                final = not block
-                _check_block(path, block, offset)
-                try:
-                    parts.append(decoder.decode(block, final=final))
-                except UnicodeDecodeError as exc:
-                    raise DocumentError(
-                        f"{path.name} is not UTF-8 text (byte {offset + exc.start}): save it as UTF-8, "
-                        "or use .txt, .md or .pdf") from None
-                if final:
-                    break
-                offset += len(block)
-    except OSError as exc:
-        raise DocumentError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    parts = [text for _block, _offset, text in _decoded_blocks(path)]
     text = "".join(parts)
     del parts
     if not text.strip():
