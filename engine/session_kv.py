@@ -18,15 +18,7 @@ from typing import Callable, Sequence
 
 from .errors import EngineError
 from .kv.paged import OVERFLOW_POLICIES, PagedKVCache
-from .kv.prefix import PrefixCache
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from .kv.prefix import PrefixCache, common_prefix
 
 
 def check_overflow(policy: str) -> str:

@@ -59,6 +59,15 @@ _MAGIC = b"OMLXKVP\0"
 _SUFFIX = ".kvprefix"
 
 
+def common_prefix(a, b) -> int:
+    """How many leading tokens two token sequences share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def cache_dir() -> Path:
     """``$OMLX_CACHE_DIR`` if set, else the per-user cache folder."""
     override = os.environ.get(CACHE_DIR_ENV)

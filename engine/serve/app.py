@@ -31,6 +31,7 @@ from starlette.routing import Route
 from ..constrain import JsonConstraint, json_grammar
 from ..engine import Engine
 from ..errors import ContextFull, KVPoolFull, OmlxError, SettingsError, describe
+from ..kv.prefix import common_prefix
 from .metrics import Metrics
 from .anthropic import MessagesView, new_message_id, parse_messages
 from .anthropic import error_body as anthropic_error_body
@@ -69,14 +70,6 @@ class ServeConfig:
             raise SettingsError(f"--port must be between 0 and 65535, not {self.port}")
         if self.api_key is not None and not self.api_key.strip():
             raise SettingsError("--api-key must not be empty")
-
-
-def _common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def is_loopback(host: str) -> bool:
@@ -329,14 +322,14 @@ class OpenAIServer:
             try:
                 a, b = (self.engine.encode_chat([*messages[:lead], {"role": "user", "content": text}], tools=tools_)
                         for text in ("A", "Z"))
-                system_ids = a[: _common_prefix(a, b)]
+                system_ids = a[: common_prefix(a, b)]
             except Exception:  # a template raising on this conversation: nothing saved
                 system_ids = []
             with self._prefix_lock:
                 self._prefix_memo[key] = system_ids
                 while len(self._prefix_memo) > PREFIX_MEMO:
                     self._prefix_memo.popitem(last=False)
-        return _common_prefix(system_ids, ids)
+        return common_prefix(system_ids, ids)
 
     def _parse(self, kind: str, body: dict):
         if kind == "chat":
