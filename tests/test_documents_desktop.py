@@ -40,6 +40,17 @@ def added(window: MainWindow, key: str) -> None:
                timeout=1200, what="the document")
 
 
+def dropped_and_indexed(window: MainWindow, doc):
+    """Drop `doc` on the window and wait until it is added and its index is built: (key, row)."""
+    drop(window, doc)
+    key = window.documents.keys()[-1]
+    added(window, key)
+    assert key in window.docs.doc_ids, window.errors[-1:]
+    row = window.documents.rows[key]
+    wait_until(lambda: row.badge.isVisibleTo(row), what="the index")
+    return key, row
+
+
 def test_a_document_longer_than_the_context_is_read_by_retrieval_and_its_sections_listed(window, tmp_path):
     window.new_conversation()
     window.kv_panel.ctx_spin.setValue(1024)
@@ -48,12 +59,7 @@ def test_a_document_longer_than_the_context_is_read_by_retrieval_and_its_section
     paragraphs.insert(len(paragraphs) // 2, FACT)
     doc = tmp_path / "manual.txt"
     doc.write_text("\n\n".join(paragraphs))
-    drop(window, doc)
-    key = window.documents.keys()[-1]
-    added(window, key)
-    assert key in window.docs.doc_ids, window.errors[-1:]
-    row = window.documents.rows[key]
-    wait_until(lambda: row.badge.isVisibleTo(row), what="the index")
+    key, row = dropped_and_indexed(window, doc)
     assert "retrieval" in row.info_label.text() and "sections" in row.info_label.text()
     assert row.badge.text() == "indexed"
     n_tokens = window.store.document(window.docs.doc_ids[key]).n_tokens
@@ -160,12 +166,7 @@ def test_a_file_too_large_to_hold_is_read_from_the_file_by_retrieval(window, tmp
     window.kv_panel.ctx_spin.setValue(2048)
     doc = tmp_path / "archive.txt"
     fact_lines = write_planted(doc, 3 << 20)
-    drop(window, doc)
-    key = window.documents.keys()[-1]
-    added(window, key)
-    assert key in window.docs.doc_ids, window.errors[-1:]
-    row = window.documents.rows[key]
-    wait_until(lambda: row.badge.isVisibleTo(row), what="the index")
+    key, row = dropped_and_indexed(window, doc)
     assert "retrieval" in row.info_label.text() and row.badge.text() == "indexed"
     stored = window.store.document(window.docs.doc_ids[key])
     assert stored.text == "" and stored.path == str(doc) and stored.n_tokens > 500_000
