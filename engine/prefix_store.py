@@ -10,8 +10,10 @@ a change of any of them takes effect at the next question; it prefills through `
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 from typing import Callable, Sequence
 
 from .kv.config import KVConfig, parse_kv
@@ -150,8 +152,6 @@ class PrefixSaver:
     that are gone when it starts."""
 
     def __init__(self, disk, *, max_pending: int = 2, retry_s: float = 60.0):
-        import collections
-
         self.disk = disk
         self.max_pending = max_pending
         self.retry_s = retry_s
@@ -172,8 +172,6 @@ class PrefixSaver:
         """Save the chain `keys` of `cache` unless it is saved (its file is touched then), being
         saved, failed lately or the queue is full. Returns what happened: "saved", "queued",
         "busy", "failed lately", "dropped"."""
-        import time
-
         path = self.disk.path_for(keys[-1])
         with self._cond:
             if path in self._busy:
@@ -196,8 +194,6 @@ class PrefixSaver:
         return "queued"
 
     def _run(self) -> None:
-        import time
-
         if self._sweep:
             try:
                 self.disk.sweep_stale()

@@ -519,7 +519,7 @@ class PrefixDiskStore:
         digest = hashlib.sha256()
         for part in parts:
             digest.update(part)
-        header = json.dumps(dict(pending.header, payload_bytes=sum(len(p) for p in parts),
+        header = json.dumps(dict(pending.header, payload_bytes=pending.nbytes,
                                  payload_sha256=digest.hexdigest())).encode()
         tmp = path.with_name(path.name + f".{os.getpid()}.{next(_SAVE_NUMBERS)}.tmp")
         try:
