@@ -33,7 +33,7 @@ from gguf.quants import dequantize
 
 from .gguf_file import GGUFError, GGUFFile, UnsupportedTensorType
 from .kernels import HAVE_NUMBA
-from .kernels.helper import helper_thread
+from .kernels.helper import helper_thread, share
 
 
 def _gguf_can_dequantize(ggml_type: GGMLQuantizationType) -> bool:
@@ -297,8 +297,6 @@ class DenseLinear:
 _tiles = threading.local()
 
 
-
-
 def _tile_buffer(n_values: int) -> np.ndarray:
     buf = getattr(_tiles, "buf", None)
     if buf is None or buf.size < n_values:
@@ -320,15 +318,12 @@ def quantize_input(x: np.ndarray, fast: bool) -> np.ndarray:
 
     quantize = int_dot.quantize_activations_fast if fast else int_dot.quantize_activations
     T = x.shape[0]
-    helper = helper_thread() if T >= PARALLEL_QUANTIZE_ROWS else None
-    if helper is None:
+    if T < PARALLEL_QUANTIZE_ROWS:
         return quantize(x)
     words = (int_dot.fast_activation_words if fast else int_dot.activation_words)(x.shape[1])
     out = np.empty((T, words), np.float32)
     half = T // 2
-    job = helper.submit(quantize, x[half:], out[half:])
-    quantize(x[:half], out[:half])
-    job.result()
+    share(quantize, [(x[:half], out[:half]), (x[half:], out[half:])])
     return out
 
 
