@@ -23,6 +23,9 @@ _helper: concurrent.futures.ThreadPoolExecutor | None = None
 _helper_made = False
 _blas = None  # threadpoolctl's BLAS controllers, or False when it is missing
 _blas_made = False
+_blas_users = 0  # threads inside one_blas_thread: the first sets one thread, the last restores
+_blas_before: list = []
+_HELPER_NAME = "omlx-helper"
 
 
 def helper_thread() -> concurrent.futures.ThreadPoolExecutor | None:
@@ -39,7 +42,7 @@ def helper_thread() -> concurrent.futures.ThreadPoolExecutor | None:
                 except ImportError:  # no numba: no compiled kernels to share either
                     threads = 1
                 if threads > 1:
-                    _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="omlx-helper")
+                    _helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=_HELPER_NAME)
                 _helper_made = True
     return _helper
 
@@ -56,8 +59,8 @@ def share(fn: Callable, tasks: Sequence[tuple]) -> list:
             results[i] = fn(*tasks[i])
 
     helper = helper_thread() if len(tasks) > 1 else None
-    if helper is None:
-        work()
+    if helper is None or threading.current_thread().name.startswith(_HELPER_NAME):
+        work()  # one thread; or called from a task on the helper, which would wait for itself
         return results
     job = helper.submit(work)
     try:
@@ -85,14 +88,21 @@ def one_blas_thread():
     if not _blas:
         yield
         return
-    before = [lib.get_num_threads() for lib in _blas]
-    for lib in _blas:
-        lib.set_num_threads(1)
+    global _blas_users, _blas_before
+    with _lock:  # two threads inside at once (the app's engine and its server): one count to restore
+        if _blas_users == 0:
+            _blas_before = [lib.get_num_threads() for lib in _blas]
+            for lib in _blas:
+                lib.set_num_threads(1)
+        _blas_users += 1
     try:
         yield
     finally:
-        for lib, n in zip(_blas, before):
-            lib.set_num_threads(n)
+        with _lock:
+            _blas_users -= 1
+            if _blas_users == 0:
+                for lib, n in zip(_blas, _blas_before):
+                    lib.set_num_threads(n)
 
 
 def _forget_in_child() -> None:  # a forked child has no helper thread: make a new one
