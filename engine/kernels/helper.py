@@ -23,8 +23,6 @@ _helper: concurrent.futures.ThreadPoolExecutor | None = None
 _helper_made = False
 _blas = None  # threadpoolctl's BLAS controllers, or False when it is missing
 _blas_made = False
-_blas_users = 0  # threads inside one_blas_thread: the first sets one thread, the last restores
-_blas_before: list = []
 _HELPER_NAME = "omlx-helper"
 
 
@@ -70,10 +68,9 @@ def share(fn: Callable, tasks: Sequence[tuple]) -> list:
     return results
 
 
-@contextlib.contextmanager
-def one_blas_thread():
-    """BLAS on one thread inside the block (its previous count restored after). Costs ~1 µs: the
-    library's own set-threads call, found once through threadpoolctl."""
+def _blas_libraries() -> list:
+    """threadpoolctl's controllers of the BLAS libraries loaded when first asked (numpy's: the
+    one its matmul calls); [] without threadpoolctl."""
     global _blas, _blas_made
     if not _blas_made:
         with _lock:
@@ -85,24 +82,29 @@ def one_blas_thread():
                 except ImportError:
                     _blas = False
                 _blas_made = True
-    if not _blas:
+    return _blas or []
+
+
+def blas_threads() -> list[int]:
+    """The thread count of each BLAS library `one_blas_thread` holds."""
+    return [lib.get_num_threads() for lib in _blas_libraries()]
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """BLAS on one thread inside the block (its previous count restored after). Costs ~1 µs: the
+    library's own set-threads call, found once through threadpoolctl."""
+    if not _blas_libraries():
         yield
         return
-    global _blas_users, _blas_before
-    with _lock:  # two threads inside at once (the app's engine and its server): one count to restore
-        if _blas_users == 0:
-            _blas_before = [lib.get_num_threads() for lib in _blas]
-            for lib in _blas:
-                lib.set_num_threads(1)
-        _blas_users += 1
+    before = [lib.get_num_threads() for lib in _blas]
+    for lib in _blas:
+        lib.set_num_threads(1)
     try:
         yield
     finally:
-        with _lock:
-            _blas_users -= 1
-            if _blas_users == 0:
-                for lib, n in zip(_blas, _blas_before):
-                    lib.set_num_threads(n)
+        for lib, n in zip(_blas, before):
+            lib.set_num_threads(n)
 
 
 def _forget_in_child() -> None:  # a forked child has no helper thread: make a new one
