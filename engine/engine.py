@@ -108,7 +108,6 @@ class Engine:
         # the prefix caches' settings (self.prefixes reads them at each call):
         self.disk_cache = True  # save pinned prefixes under the user's cache folder
         self.master_copies = True  # pinned prefixes computed once in the 8-bit master layout (kv.requantize)
-        self.prefix_capacity_tokens = 2 * model.context_length
         self.speculate = "off"  # SPECULATE_MODES: "lookup" drafts by prompt lookup, verified in one pass
         self.draft_engine: "Engine | None" = None  # --draft MODEL: drafts by this model instead (set_draft)
         self.prefixes = PrefixStore(self)  # the prefix caches: this layout's and its master's

@@ -4,8 +4,9 @@ new sequence comes from, computing a pinned prefix in the master layout, what a 
 would cost, the bytes they hold.
 
 The store reads its engine's settings at every call (``kv_config``, ``compute_id``,
-``disk_cache``, ``master_copies``, ``prefix_capacity_tokens``: callers set them on the engine), so
-a change of any of them takes effect at the next question; it prefills through ``engine.prefill``.
+``disk_cache``, ``master_copies``: callers set them on the engine), so a change of any of them
+takes effect at the next question; it prefills through ``engine.prefill``. The pools' size is the
+store's own setting (``set_capacity_tokens``), for the caches it makes from then on.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ class PrefixStore:
         self.engine = engine
         self.current = None  # the current layout's PrefixCache, made on first use
         self.master = None  # the master layout's PrefixCache, when the current one derives from it
+        self.capacity_tokens = 2 * engine.model.context_length  # pool size per layer of the caches made
         self._lock = threading.Lock()
+
+    def set_capacity_tokens(self, tokens: int) -> None:
+        """Pool size per layer, in tokens, of the caches made from now on (sequences and cached
+        blocks share it): `omlx serve` sizes them to its KV budget before its first cache."""
+        if tokens < 1:
+            raise ValueError(f"a prefix cache needs room for at least one token, not {tokens}")
+        self.capacity_tokens = tokens
 
     def cache(self):
         """The shared block pools and prefix cache for the engine's current KV config. A new
@@ -43,7 +52,7 @@ class PrefixStore:
                     cur.clear()
                 disk = PrefixDiskStore() if e.disk_cache else None
                 self.current = PrefixCache(e.model, e.kv_config, model_id=e.compute_id,
-                                           capacity_tokens=e.prefix_capacity_tokens, disk=disk)
+                                           capacity_tokens=self.capacity_tokens, disk=disk)
                 self.current.master = self._master_for(self.current)
             return self.current
 
@@ -61,7 +70,7 @@ class PrefixStore:
         if self.master is None or self.master.config != cache.master_config \
                 or (self.master.disk is None) != (cache.disk is None) or self.master.model_id != cache.model_id:
             self.master = PrefixCache(e.model, cache.master_config, model_id=cache.model_id,
-                                      capacity_tokens=e.prefix_capacity_tokens, disk=cache.disk)
+                                      capacity_tokens=self.capacity_tokens, disk=cache.disk)
         return self.master
 
     def prefill_master(self, ids: Sequence[int], progress: Callable[[int, int], None] | None = None,
@@ -84,10 +93,9 @@ class PrefixStore:
                 log.info("prefilling %d prefix tokens into the 8-bit master copy", len(todo))
                 if self.engine.prefill(todo, seq, progress, cancel) is None:
                     return 0
-            keys = master.chain_keys(ids, n_blocks)
-            n = master.usable_blocks(keys)
-            master.save(keys[:n])
-            return n * master.B
+            keys = master.cached_keys(ids[: n_blocks * master.B])
+            master.save(keys)
+            return len(keys) * master.B
         finally:
             seq.release()
 

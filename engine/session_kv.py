@@ -85,9 +85,7 @@ class SessionKV:
         """Pin the full blocks of the prefix `ids[:n_prefix]` (those really cached) and save them
         to disk, unpinning the previous prefix; returns whether any block is pinned."""
         cache = self.prefix_cache()
-        n_blocks = n_prefix // cache.B
-        keys = cache.chain_keys(ids[: n_blocks * cache.B])
-        keys = keys[: cache.usable_blocks(keys)]  # the leading blocks that are really cached
+        keys = cache.cached_keys(ids[:n_prefix])
         cache.pin(keys)
         cache.unpin(self.pinned_keys)
         self.pinned_keys = keys

@@ -310,7 +310,7 @@ def test_serve_turns_an_unexpected_error_into_a_500_and_keeps_serving(tmp_path):
     server = OpenAIServer(engine, ServeLimits(ctx=512, max_batch=2), ServeConfig(port=0))
     thread = ServerThread(server).start()
     try:
-        real = server.scheduler.fits_budget
+        real = server.scheduler.budget.fits
         calls = {"n": 0}
 
         def failing_once(*args, **kwargs):
@@ -319,7 +319,7 @@ def test_serve_turns_an_unexpected_error_into_a_500_and_keeps_serving(tmp_path):
                 raise KeyError("injected")
             return real(*args, **kwargs)
 
-        server.scheduler.fits_budget = failing_once
+        server.scheduler.budget.fits = failing_once
         r = httpx.post(thread.url + "/v1/chat/completions", timeout=60, json={
             "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 500

@@ -139,6 +139,50 @@ def test_a_full_pool_evicts_cached_blocks_for_a_new_sequence(tiny):
         prefill(tiny, third, tokens(40, seed=7))
 
 
+# -- budget questions ------------------------------------------------------------------------
+def test_pinned_blocks_and_sequence_references_are_what_a_budget_can_lend(tiny):
+    from engine.serve.budget import KVBudget
+
+    cache = make_cache(tiny, capacity=8 * 12)  # 12 blocks per layer
+    ids = tokens(33, seed=12)  # 4 full blocks
+    seq = cache.new_sequence()
+    prefill(tiny, seq, ids, chunk=8)  # blocks published before a window layer lets them go
+    keys = list(seq.chain_keys)
+    assert cache.cached_keys(ids) == keys and cache.cached_keys(ids[:20]) == keys[:2]
+    held = sum(len(layer.block_table) for layer in seq.layers)
+    assert held > 0 and cache.sequence_blocks() == held  # the cache's own references not counted
+    budget = KVBudget(8 * 12, 8)
+    assert budget.max_blocks == 12 and budget.capacity_bytes(cache) == 12 * cache.block_bytes
+    assert budget.fits(90, 6) and not budget.fits(90, 14)  # 96 tokens: 12 blocks; 104: 13
+    assert budget.admits(8, 4, cache) and not budget.admits(9, 4, cache)
+    cache.pin(keys[:3])
+    assert cache.pinned_blocks() == 3 and cache.pinned_tokens() == 24
+    assert budget.admits(5, 4, cache) and not budget.admits(6, 4, cache)  # 12 - 3 pinned
+    seq.release()
+    assert cache.sequence_blocks() == 0 and len(cache.entries) == 4  # cached, held by no sequence
+    if all(w is None for w in cache.windows):  # every entry holds a block in every layer
+        assert cache.nbytes == len(cache.entries) * cache.block_bytes
+    cache.evict({0: 10**6})
+    assert cache.cached_keys(ids) == keys[:3] and cache.pinned_blocks() == 3
+    cache.unpin(keys[:3])
+    assert cache.pinned_blocks() == 0 and budget.admits(8, 4, cache)
+
+
+def test_the_scheduler_sizes_the_engines_prefix_pools_to_its_kv_budget(tmp_path):
+    from engine.engine import Engine
+    from engine.serve.scheduler import Scheduler, ServeLimits
+
+    engine = Engine.load(write_tiny_model(tmp_path / "m.gguf", "llama", context_length=256), kv=SPEC)
+    engine.disk_cache = False
+    assert engine.prefixes.capacity_tokens == 512  # twice the model's context by default
+    scheduler = Scheduler(engine, ServeLimits(ctx=64, max_batch=3))
+    assert scheduler.budget.kv_tokens == 192 and scheduler.budget.max_blocks == 24
+    pools = engine.prefix_cache().pools
+    assert all(p.max_blocks == 24 for p in pools)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.prefixes.set_capacity_tokens(0)
+
+
 # -- disk ------------------------------------------------------------------------------------
 def test_disk_round_trip_and_damaged_files_are_ignored(tiny, tmp_path, caplog):
     disk = PrefixDiskStore(tmp_path / "prefixes")

@@ -295,7 +295,7 @@ def test_disconnecting_clients_leave_kv_in_use_at_its_baseline(tiny):
     scheduler = tiny.server.scheduler
     wait_idle(tiny)
     baseline = scheduler.call(lambda: (scheduler.prefix.clear(), scheduler.prefix.nbytes)[1])
-    assert scheduler.call(scheduler.sequence_blocks) == 0
+    assert scheduler.call(scheduler.prefix.sequence_blocks) == 0
     cancelled_before = metric(tiny, "omlx_finished_sequences_total", '{reason="cancelled"}')
     rng = random.Random(5)
     plan = [(i, rng.choice(["complete", "stream_then_leave", "leave_early"]), rng.randint(1, 60))
@@ -331,7 +331,7 @@ def test_disconnecting_clients_leave_kv_in_use_at_its_baseline(tiny):
     assert not failures
     wait_idle(tiny)
     assert metric(tiny, "omlx_finished_sequences_total", '{reason="cancelled"}') > cancelled_before
-    assert scheduler.call(scheduler.sequence_blocks) == 0
+    assert scheduler.call(scheduler.prefix.sequence_blocks) == 0
     after = scheduler.call(lambda: (scheduler.prefix.clear(), scheduler.prefix.nbytes)[1])
     assert after == baseline
     assert chat(client(tiny), "after the storm").usage.completion_tokens == 16
@@ -503,6 +503,6 @@ def test_an_engine_failure_fails_the_running_request_and_the_engine_thread_goes_
         assert chat(client(thread), "again", max_tokens=4).usage.completion_tokens == 4
         scheduler = thread.server.scheduler
         wait_idle(thread)
-        assert scheduler.call(scheduler.sequence_blocks) == 0
+        assert scheduler.call(scheduler.prefix.sequence_blocks) == 0
     finally:
         thread.stop()

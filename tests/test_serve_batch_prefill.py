@@ -198,7 +198,7 @@ def run_together(engine: Engine, prompts, max_tokens: int, on_batch=None, **limi
         scheduler.call(lambda: [scheduler.submit(job) for job in jobs])
         for sink in sinks:
             assert sink.done.wait(300), "a job did not finish"
-        assert scheduler.call(scheduler.sequence_blocks) == 0
+        assert scheduler.call(scheduler.prefix.sequence_blocks) == 0
     finally:
         scheduler.stop()
         del model.forward, model.hidden

@@ -43,7 +43,7 @@ def _capacity_for(spec: str, panel: ServePanel) -> int:
     layer's K and V rows of max_blocks blocks, as the KV estimator computes them."""
     server = panel._thread.server
     g = server.engine.model.kv_geometry
-    n_tokens = server.scheduler.max_blocks * server.scheduler.block_size
+    n_tokens = server.scheduler.budget.max_blocks * server.scheduler.budget.block_size
     layers = estimate_bytes(parse_kv(spec), g.n_layers, g.n_kv_heads, g.head_dim, n_tokens,
                             g.value_dim)["per_layer"]
     return sum(layer["k_blocks"] + layer["v_blocks"] for layer in layers)

@@ -230,6 +230,12 @@ class PrefixCache:
             n -= 1
         return 0
 
+    def cached_keys(self, token_ids) -> list[bytes]:
+        """Keys of the leading full blocks of `token_ids` that are really cached: those a new
+        sequence could attach now (`usable_blocks` of their chain)."""
+        keys = self.chain_keys(token_ids)
+        return keys[: self.usable_blocks(keys)]
+
     def attach(self, seq: PagedKVCache, token_ids) -> Reuse:
         """Start the empty sequence `seq` on the longest cached prefix of `token_ids` (from
         memory, else from disk); at least the last token is left to prefill, for its logits."""
@@ -347,8 +353,13 @@ class PrefixCache:
             if entry is not None and entry.pins > 0:
                 entry.pins -= 1
 
+    def pinned_blocks(self) -> int:
+        """Blocks per layer held by pinned entries (an entry holds one block in each layer): what
+        no eviction frees, so what a budget of pool blocks cannot lend to sequences."""
+        return sum(1 for e in self.entries.values() if e.pins)
+
     def pinned_tokens(self) -> int:
-        return sum(self.B for e in self.entries.values() if e.pins)
+        return self.pinned_blocks() * self.B
 
     # -- eviction ----------------------------------------------------------------------------
     def _evictable(self, entry: Entry) -> bool:
@@ -395,6 +406,21 @@ class PrefixCache:
     @property
     def capacity_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in every layer's pool (K and V rows): a budget of n blocks per layer
+        holds n * block_bytes."""
+        return sum(p.k_row_bytes + p.v_row_bytes for p in self.pools)
+
+    def sequence_blocks(self) -> int:
+        """Pool block references (all layers) held by sequences, i.e. by anything but this cache's
+        own entries: 0 when no sequence is open, whatever the cache keeps."""
+        total = 0
+        for layer, pool in enumerate(self.pools):
+            cached = sum(1 for e in self.entries.values() if e.blocks[layer] is not None)
+            total += sum(pool.ref_cnt) - cached
+        return total
 
     def save(self, keys: list[bytes]) -> Path | None:
         """Write the chain ending at keys[-1] to disk (no-op without a disk store)."""

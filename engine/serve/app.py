@@ -353,9 +353,9 @@ class OpenAIServer:
             raise bad(f"max_tokens is {max_tokens:,} but the prompt ({len(prompt_ids):,} tokens) leaves "
                       f"room for {room:,} in this server's context of {ctx:,}", "max_tokens",
                       "context_length_exceeded")
-        if not self.scheduler.fits_budget(len(prompt_ids), max_tokens):
+        if not self.scheduler.budget.fits(len(prompt_ids), max_tokens):
             raise bad(f"the prompt and max_tokens ({len(prompt_ids) + max_tokens:,} tokens) exceed the "
-                      f"server's KV budget of {self.scheduler.kv_tokens:,} tokens", "max_tokens",
+                      f"server's KV budget of {self.scheduler.budget.kv_tokens:,} tokens", "max_tokens",
                       "context_length_exceeded")
         return max_tokens
 

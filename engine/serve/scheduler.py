@@ -28,12 +28,10 @@ One turn of the loop:
        a decode step alone) in the same pass (`kv.batch.SequenceBatch`), keeps the rows its
        stream accepts and rolls the rest back
 
-KV budget: every pool has `max_blocks`. An admitted sequence reserves the blocks of its worst
-case, prompt + max_tokens tokens; admission needs the reservations of all running sequences
-plus the new one to fit in `max_blocks` less the blocks pinned in the prefix cache. Blocks the
-prefix cache holds for no sequence are evicted on demand, and shared blocks count in each
-reservation, so a running sequence always finds its blocks: it is never failed for lack of KV
-memory; a new one waits instead.
+KV budget (`budget.KVBudget`): every pool has `max_blocks`. An admitted sequence reserves the
+blocks of its worst case, prompt + max_tokens tokens, and is admitted while the reservations fit
+in `max_blocks` less the blocks pinned in the prefix cache; a running sequence never lacks KV
+memory, a new one waits instead.
 
 Saved prefixes: with the engine's `disk_cache` on, a job's `prefix_tokens` (the system turn) are
 saved to the prefix cache's disk store once its prompt is prefilled, if they are not saved yet:
@@ -62,6 +60,7 @@ from ..decoding import STOP, STOP_STRING, LogitsProcessor, TokenLogprob, TokenSt
 from ..sampling import SamplingParams
 from ..speculate import SPECULATE_MODES, PromptLookup, agreed_tokens
 from ..weights import blas_rows_independent, products_use_blas
+from .budget import KVBudget
 from .metrics import Metrics
 
 log = logging.getLogger("omlx.serve")
@@ -231,11 +230,9 @@ class Scheduler:
         self.speculate = engine.speculate  # "lookup": drafts in the decode passes' spare rows
         self.limits = limits
         self.metrics = metrics or Metrics()
-        self.kv_tokens = limits.kv_tokens or limits.max_batch * limits.ctx
-        engine.prefix_capacity_tokens = self.kv_tokens
-        self.block_size = engine.kv_config.block_size
+        self.budget = KVBudget(limits.kv_tokens or limits.max_batch * limits.ctx, engine.kv_config.block_size)
+        engine.prefixes.set_capacity_tokens(self.budget.kv_tokens)  # the pools hold the budget
         self.min_batched_chunk = min_batched_chunk(engine.model)
-        self.max_blocks = -(-self.kv_tokens // self.block_size)
         self._inbox: deque[Job] = deque()
         self._calls: deque[tuple[Callable, list, threading.Event]] = deque()
         self._wake = threading.Event()
@@ -267,16 +264,6 @@ class Scheduler:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def blocks_for(self, n_tokens: int) -> int:
-        """Pool blocks a sequence of n_tokens holds in each layer: its full blocks (the unfinished
-        one lives in the sequence's tail buffer). A job's sequence stores at most prompt +
-        max_tokens - 1 tokens (the last token sampled is never fed back)."""
-        return n_tokens // self.block_size
-
-    def fits_budget(self, n_prompt: int, max_tokens: int) -> bool:
-        """Whether a request could ever be admitted (alone, the KV budget empty)."""
-        return self.blocks_for(n_prompt + max_tokens) <= self.max_blocks
-
     def submit(self, job: Job) -> None:
         if self._stopping or not self.running:
             raise EngineError("the server is shutting down")
@@ -307,8 +294,9 @@ class Scheduler:
         if self.prefix.disk is not None and self.saver is None:
             self.saver = PrefixSaver(self.prefix.disk)
             log.info("system prompts' KV saved to and read from %s", self.prefix.disk.directory)
+        b = self.budget
         log.info("engine thread: batches of up to %d sequences, KV budget %d tokens per layer (%d blocks of %d)",
-                 self.limits.max_batch, self.kv_tokens, self.max_blocks, self.block_size)
+                 self.limits.max_batch, b.kv_tokens, b.max_blocks, b.block_size)
         while not self._stopping:
             worked = False
             try:
@@ -369,21 +357,16 @@ class Scheduler:
                 self.metrics.queue_timeouts.inc()
                 self._send(job, Failed(QueueTimeout(
                     f"no room for this request within {self.limits.queue_timeout:g} s "
-                    f"({len(self._running)} sequences running, KV budget {self.kv_tokens:,} tokens)")))
+                    f"({len(self._running)} sequences running, KV budget {self.budget.kv_tokens:,} tokens)")))
             else:
                 kept.append(job)
         self._waiting = kept
 
-    def _budget_blocks(self) -> int:
-        pinned = sum(1 for e in self.prefix.entries.values() if e.pins)
-        return self.max_blocks - pinned
-
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.limits.max_batch:
             job = self._waiting[0]
-            need = self.blocks_for(len(job.prompt_ids) + job.max_tokens)
-            reserved = sum(s.reserved_blocks for s in self._running)
-            if reserved + need > self._budget_blocks():
+            need = self.budget.blocks_for(len(job.prompt_ids) + job.max_tokens)
+            if not self.budget.admits(need, sum(s.reserved_blocks for s in self._running), self.prefix):
                 return  # in arrival order: a later small job does not overtake this one
             self._waiting.popleft()
             self.metrics.queue_length.dec()
@@ -464,11 +447,7 @@ class Scheduler:
         `prefix_tokens` still in the prefix cache."""
         jobs, self._to_save = self._to_save, []
         for job in jobs:
-            n = min(job.prefix_tokens, len(job.prompt_ids)) // self.block_size
-            if n == 0:
-                continue
-            keys = self.prefix.chain_keys(job.prompt_ids[: n * self.block_size])
-            keys = keys[: self.prefix.usable_blocks(keys)]
+            keys = self.prefix.cached_keys(job.prompt_ids[: job.prefix_tokens])
             if not keys:
                 continue
             try:
@@ -479,7 +458,7 @@ class Scheduler:
                 continue
             if what == "queued":
                 log.debug("job %s: %d prefix tokens copied for saving in %.1f ms", job.id,
-                          len(keys) * self.block_size, (time.perf_counter() - t0) * 1e3)
+                          len(keys) * self.prefix.B, (time.perf_counter() - t0) * 1e3)
 
     def _prefill_alone(self, seq: _Sequence, n: int) -> int:
         """Prefill the next n prompt tokens of `seq` by themselves; returns the tokens prefilled
@@ -650,19 +629,9 @@ class Scheduler:
         m.running.set(len(self._running))
         m.kv_bytes_in_use.set(self.prefix.nbytes)
         m.kv_bytes_allocated.set(self.prefix.capacity_bytes)
-        m.kv_bytes_capacity.set(self.max_blocks * sum(p.k_row_bytes + p.v_row_bytes for p in self.prefix.pools))
+        m.kv_bytes_capacity.set(self.budget.capacity_bytes(self.prefix))
         if self.saver is not None:
             saves = m.prefix_saves
             saves["written"].set(self.saver.saved)
             saves["failed"].set(self.saver.failed)
             saves["dropped"].set(self.saver.dropped)
-
-    # -- inspection (call through `call`) ------------------------------------------------------
-    def sequence_blocks(self) -> int:
-        """Pool block references (all layers) held by sequences, i.e. by anything but the prefix
-        cache's own entries: 0 when no request is running, whatever the cache keeps."""
-        total = 0
-        for layer, pool in enumerate(self.prefix.pools):
-            cached = sum(1 for e in self.prefix.entries.values() if e.blocks[layer] is not None)
-            total += sum(pool.ref_cnt) - cached
-        return total
