@@ -257,8 +257,8 @@ def test_the_system_turn_is_found_whatever_the_template_does_with_it(tmp_path, t
     system = [{"role": "system", "content": SYSTEM}]
     turns = [system + [{"role": "user", "content": q}] for q in ("Where did it sit?", "Was the door open?")]
     ids = [engine.encode_chat(t) for t in turns]
-    n = server._system_turn_tokens(turns[0], None, ids[0])
+    n = server.prompts.system_turn_tokens(turns[0], None, ids[0])
     shared = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
     assert len(engine.tokenizer.encode(SYSTEM, add_bos=False)) - 2 < n <= shared  # the system text, no question
-    assert server._system_turn_tokens(turns[1], None, ids[1]) == n  # remembered, the same
-    assert server._system_turn_tokens(turns[0][1:], None, engine.encode_chat(turns[0][1:])) == 0
+    assert server.prompts.system_turn_tokens(turns[1], None, ids[1]) == n  # remembered, the same
+    assert server.prompts.system_turn_tokens(turns[0][1:], None, engine.encode_chat(turns[0][1:])) == 0

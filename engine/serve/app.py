@@ -1,5 +1,5 @@
 """The HTTP side of `omlx serve`: a Starlette app whose handlers validate a request, tokenize it
-and hand it to the `Scheduler`'s engine thread, then answer with the result or stream it as
+(`prompts.PromptBuilder`) and hand it to the `Scheduler`'s engine thread, then answer with the result or stream it as
 server-sent events. Served by uvicorn (`run`, or `ServerThread` for tests and the desktop app).
 
 Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/chat/completions,
@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
@@ -28,15 +27,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..constrain import JsonConstraint, json_grammar
+from ..constrain import JsonConstraint
 from ..engine import Engine
 from ..errors import ContextFull, KVPoolFull, OmlxError, SettingsError, describe
-from ..kv.prefix import common_prefix
 from .metrics import Metrics
 from .anthropic import MessagesView, new_message_id, parse_messages
 from .anthropic import error_body as anthropic_error_body
 from . import tools
-from .protocol import ApiError, OpenAIView, bad, parse_chat, parse_completion
+from .prompts import PromptBuilder
+from .protocol import ApiError, OpenAIView, bad
 from .scheduler import Failed, Finished, Job, QueueTimeout, Scheduler, ServeLimits, Started, Token
 
 log = logging.getLogger("omlx.serve")
@@ -47,7 +46,6 @@ MAX_BODY_BYTES = 4 << 20  # request bodies above this are refused (413) before t
 DRAIN_MAX_BYTES = 256 << 20  # an oversized body is read (and dropped) this far before the 413 goes out
 ANTHROPIC_ENDPOINTS = ("messages", "count_tokens")  # answered with Anthropic's error object
 RETRY_AFTER_S = 5  # the Retry-After of a 429: a guess at when a slot or KV budget frees up
-PREFIX_MEMO = 16  # system turns whose token ids are remembered (rendered once, not per request)
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks whether its client left
 
 
@@ -96,9 +94,8 @@ class OpenAIServer:
         # the names a request may use for the model: the listed id, the file's name and stem
         self.served_ids = tuple(dict.fromkeys([self.model_id, engine.name, engine.path.name, engine.path.stem]))
         self.created = int(time.time())
-        self.tool_family = tools.template_family(engine.tokenizer.chat_template)  # the tool-call syntax
-        self._prefix_memo: OrderedDict[str, list[int]] = OrderedDict()  # system turn → its token ids
-        self._prefix_lock = threading.Lock()  # prompts are encoded on the thread pool
+        self.prompts = PromptBuilder(engine, self.model_id, self.served_ids,
+                                     min(limits.ctx, engine.model.context_length), self.scheduler.budget)
         guarded = self._guarded
         routes = [
             Route("/health", guarded("health", self.health), methods=["GET"]),
@@ -268,104 +265,17 @@ class OpenAIServer:
     async def count_tokens(self, request: Request) -> Response:
         self._authorize(request)  # errors: answered by _guarded
         req = parse_messages(await self._json_body(request), self.served_ids, counting=True)
-        prompt_ids = await run_in_threadpool(self._encode, "messages", req)
+        prompt_ids = await run_in_threadpool(self.prompts.encode, "messages", req)
         self.metrics.request("count_tokens", 200)
         return JSONResponse({"input_tokens": len(prompt_ids)})
-
-    def _encode(self, kind: str, req) -> list[int]:
-        e = self.engine
-        if kind in ("chat", "messages"):
-            if not e.has_chat_template:
-                raise bad(f"{self.model_id} has no chat template: use /v1/completions", "messages",
-                          "unsupported_model")
-            prepared = tools.prepare(req.messages, req.tools, req.tool_choice, self.tool_family)
-            try:
-                ids = e.encode_chat(prepared.messages, tools=prepared.tools)
-            except Exception as exc:  # OmlxError, or a template raising on an unusual conversation (jinja)
-                raise bad(f"the messages cannot be rendered with the model's chat template: {exc}",
-                          "messages") from None
-            # the answer continues the last assistant turn's text, then the start of a required call
-            req.tool_prefill = prepared.prefill
-            if prepared.call_schema is not None:
-                try:
-                    req.tool_grammar = json_grammar(prepared.call_schema)
-                except OmlxError as exc:
-                    raise bad(f"a tool's parameters cannot be used to constrain its call: {exc.user_message}",
-                              "tools") from None
-            req.prefix_tokens = self._system_turn_tokens(prepared.messages, prepared.tools, ids)
-            prefill = getattr(req, "prefill", "") + prepared.prefill
-            if prefill:
-                ids = ids + e.tokenizer.encode(prefill, add_bos=False, parse_special=False)
-            return ids
-        if isinstance(req.prompt, list):
-            return list(req.prompt)
-        return e.encode_prompt(req.prompt)
-
-    def _system_turn_tokens(self, messages: list[dict], tools_: list | None, ids: list[int]) -> int:
-        """How many leading tokens of the prompt `ids` are its system turn (the leading system
-        messages and the tools): the prefix other requests with the same system prompt share,
-        which the scheduler saves to disk. Found as the tokens two renderings of the system
-        messages followed by different user messages share, so it also works for templates that
-        write the system prompt into the first user turn (Gemma's) or the tools there (Llama
-        3.1's). 0 without a system message (or when the conversation is all system messages)."""
-        lead = 0
-        while lead < len(messages) and messages[lead].get("role") == "system":
-            lead += 1
-        if lead == 0 or lead == len(messages):
-            return 0
-        key = json.dumps([messages[:lead], tools_], sort_keys=True, default=str)
-        with self._prefix_lock:
-            system_ids = self._prefix_memo.get(key)
-            if system_ids is not None:
-                self._prefix_memo.move_to_end(key)
-        if system_ids is None:
-            try:
-                a, b = (self.engine.encode_chat([*messages[:lead], {"role": "user", "content": text}], tools=tools_)
-                        for text in ("A", "Z"))
-                system_ids = a[: common_prefix(a, b)]
-            except Exception:  # a template raising on this conversation: nothing saved
-                system_ids = []
-            with self._prefix_lock:
-                self._prefix_memo[key] = system_ids
-                while len(self._prefix_memo) > PREFIX_MEMO:
-                    self._prefix_memo.popitem(last=False)
-        return common_prefix(system_ids, ids)
-
-    def _parse(self, kind: str, body: dict):
-        if kind == "chat":
-            return parse_chat(body, self.served_ids)
-        if kind == "messages":
-            return parse_messages(body, self.served_ids)
-        return parse_completion(body, self.served_ids, self.engine.model.vocab_size)
-
-    def _room(self, kind: str, prompt_ids: list[int], req) -> int:
-        """The request's max_tokens, checked against the context and the KV budget."""
-        param = "prompt" if kind == "completions" else "messages"
-        if not prompt_ids:
-            raise bad("the prompt has no tokens", param)
-        ctx = min(self.limits.ctx, self.engine.model.context_length)
-        if len(prompt_ids) >= ctx:
-            raise bad(f"the prompt is {len(prompt_ids):,} tokens; this server's context holds {ctx:,} "
-                      "(prompt and completion together)", param, "context_length_exceeded")
-        room = ctx - len(prompt_ids)
-        max_tokens = room if req.max_tokens is None else req.max_tokens
-        if max_tokens > room:
-            raise bad(f"max_tokens is {max_tokens:,} but the prompt ({len(prompt_ids):,} tokens) leaves "
-                      f"room for {room:,} in this server's context of {ctx:,}", "max_tokens",
-                      "context_length_exceeded")
-        if not self.scheduler.budget.fits(len(prompt_ids), max_tokens):
-            raise bad(f"the prompt and max_tokens ({len(prompt_ids) + max_tokens:,} tokens) exceed the "
-                      f"server's KV budget of {self.scheduler.budget.kv_tokens:,} tokens", "max_tokens",
-                      "context_length_exceeded")
-        return max_tokens
 
     async def _generate(self, request: Request, kind: str) -> Response:
         try:
             self._authorize(request)
             body = await self._json_body(request)
-            req = self._parse(kind, body)
-            prompt_ids = await run_in_threadpool(self._encode, kind, req)
-            max_tokens = self._room(kind, prompt_ids, req)
+            req = self.prompts.parse(kind, body)
+            prompt_ids = await run_in_threadpool(self.prompts.encode, kind, req)
+            max_tokens = self.prompts.room(kind, prompt_ids, req)
         except ClientDisconnect:
             self.metrics.request(kind, 499)
             return Response(status_code=499)
@@ -388,7 +298,7 @@ class OpenAIServer:
 
             parser = None
             if kind != "completions" and req.tools and req.tool_choice.mode != "none":
-                parser = tools.ToolParser(self.tool_family, {t["function"]["name"] for t in req.tools},
+                parser = tools.ToolParser(self.prompts.tool_family, {t["function"]["name"] for t in req.tools},
                                           prefill=req.tool_prefill, id_prefix="toolu_" if kind == "messages" else "call_")
             if kind == "messages":
                 view = MessagesView(job_id, self.model_id, len(prompt_ids), parser)
