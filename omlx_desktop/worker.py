@@ -10,7 +10,8 @@ with a :class:`~omlx_desktop.protocol.Failure` (kind and message, from
 :func:`engine.errors.describe`), never a dead thread. Generated text is coalesced: one ``tokens``
 signal per ~50 ms.
 
-The requests for documents are :class:`~omlx_desktop.worker_documents.DocumentRequests`, those of the
+The requests for documents are :class:`~omlx_desktop.worker_documents.DocumentRequests` (which also
+lists the session's documents for the window and restores an opened conversation's), those of the
 KV panel's tuning (the Auto preset's profile, the weight arithmetic)
 :class:`~omlx_desktop.worker_tuning.TuningRequests`; both are given the worker as a
 :class:`~omlx_desktop.worker_host.WorkerHost`.
@@ -34,7 +35,7 @@ from engine.errors import OmlxError
 from engine.fit import DOES_NOT_FIT
 
 from .protocol import (
-    AddDocument, ArithApplied, Configure, ConnectRemote, DocumentFailed, DocumentInfo, DocumentsChanged, Failure,
+    AddDocument, ArithApplied, Configure, ConnectRemote, DocumentFailed, Failure,
     FetchModel, FitCheck, KVApplied, ListRemoteModels, LoadModel, MeasureArithCost, MeasureKVProfile, ModelInfo,
     OpenConversation, RemoteModels, RemoveDocument, SendMessage, SetArith, SetDocMode, SetPinned,
     SetRetrievalTokens, SetSpeculate, Shutdown, TurnFailed, TurnFinished,
@@ -222,7 +223,7 @@ class EngineWorker(QObject):
         conv = getattr(request, "conv", None)
         if conv is not None:    # rows left "reading…" show what the engine holds
             try:
-                self.documentsChanged.emit(self.documents_of(conv))
+                self.documentsChanged.emit(self.docs.documents_of(conv))
             except Exception:
                 log.exception("listing the documents after a failure failed")
         if isinstance(request, OpenConversation):
@@ -391,7 +392,7 @@ class EngineWorker(QObject):
         for key in keys:
             self.documentProgress.emit(conv, key, 0, 1)
         self.session.prepare(progress=progress, cancel=self.abort)
-        self.documentsChanged.emit(self.documents_of(conv))
+        self.documentsChanged.emit(self.docs.documents_of(conv))
 
     def publish_kv(self) -> None:
         if self.engine is None:
@@ -432,8 +433,6 @@ class EngineWorker(QObject):
         pinned prefix comes back from the prefix cache, in memory or on disk)."""
         if self.engine is None and self.remote is None:
             return
-        from engine.errors import DocumentError
-
         conv = request.conv
         try:
             self._close_session()
@@ -442,46 +441,15 @@ class EngineWorker(QObject):
                                         request.retrieval_tokens)
             self.session, self.conv = session, conv
             session.load_messages(request.messages)
-            for d in request.documents:
-                if not d.text and d.path:       # a file too large to hold: read from it again
-                    try:
-                        try:
-                            doc = session.add_document(d.path, name=d.name, prefill=False,
-                                                       pinned=d.pinned, doc_id=d.key)
-                        except DocumentError as exc:  # e.g. whole mode: kept unpinned if it reads
-                            doc = session.add_document(d.path, name=d.name, pinned=False, doc_id=d.key)
-                            self.error.emit(Failure(exc.kind, f"{d.name} is no longer pinned: {exc.user_message}"))
-                    except DocumentError as exc:
-                        self.error.emit(Failure(exc.kind, f"{d.name} cannot be read: {exc.user_message}"))
-                        continue
-                    doc.path = d.path
-                    continue
-                try:
-                    doc = session.add_document(text=d.text, name=d.name, prefill=False,
-                                               pinned=d.pinned, doc_id=d.key)
-                except DocumentError as exc:    # no longer fits (a smaller context): kept unpinned
-                    doc = session.add_document(text=d.text, name=d.name, pinned=False, doc_id=d.key)
-                    self.error.emit(Failure(exc.kind, f"{d.name} is no longer pinned: {exc.user_message}"))
-                doc.path = d.path
+            self.docs.restore(session, request.documents)
             if any(d.pinned for d in session.documents):
                 self.prepare_pinned(conv)
         except Exception as exc:
             failure = failure_of(exc, f"opening conversation {conv} failed")
             self.error.emit(replace(failure, message=f"cannot open the conversation: {failure.message}"))
         self.publish_kv()
-        self.documentsChanged.emit(self.documents_of(conv))
+        self.documentsChanged.emit(self.docs.documents_of(conv))
         self.conversationOpened.emit(conv)
-
-    def documents_of(self, conv: int) -> DocumentsChanged:
-        docs = self.session.documents if self.session is not None else []
-        return DocumentsChanged(conv, tuple(self.document_info(d) for d in docs))
-
-    def document_info(self, d) -> DocumentInfo:
-        retrieval = d.pinned and d.mode == "retrieval"
-        return DocumentInfo(key=d.id, name=d.name, path=d.path, n_tokens=d.n_tokens,
-                            pinned=d.pinned, cached=d.cached, mode=d.mode if d.pinned else "whole",
-                            sections=len(d.index.chunks) if retrieval and d.index is not None else 0,
-                            whole_ctx=self.whole_ctx(d.n_tokens) if retrieval else 0)
 
     def _max_ctx(self, engine=None) -> int:
         """The largest context for ``engine`` (default: the loaded one): its own, capped by what
@@ -564,7 +532,7 @@ class EngineWorker(QObject):
             stats.pop("arith", None)          # the server's own arithmetic, unknown here
         stats["retrieved"] = list(getattr(gen, "retrieved", []))  # sections the answer was shown
         self.turnFinished.emit(TurnFinished(rid, result.text, result.finish_reason, stats))
-        self.documentsChanged.emit(self.documents_of(self.conv))
+        self.documentsChanged.emit(self.docs.documents_of(self.conv))
 
     def set_speculate(self, request: SetSpeculate) -> None:
         """Prompt lookup on or off for the loaded model's next answers and every later model

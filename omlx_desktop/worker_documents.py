@@ -1,7 +1,8 @@
 """The engine worker's document requests: add, pin, remove, the conversation's document mode and
 retrieval budget. Each checks that the conversation is the open one, brings the engine to the
 wanted settings first where the document is read, and ends with the documents the session holds
-(``documentsChanged``) so no row stays "reading…".
+(``documentsChanged``, :meth:`DocumentRequests.documents_of`) so no row stays "reading…". A
+conversation being opened gets its stored documents back through :meth:`DocumentRequests.restore`.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .protocol import (
-    AddDocument, DocumentAdded, DocumentFailed, DocumentPinned, RemoveDocument, SetDocMode, SetPinned,
-    SetRetrievalTokens,
+    AddDocument, DocumentAdded, DocumentFailed, DocumentInfo, DocumentPinned, DocumentsChanged, Failure,
+    RemoveDocument, SetDocMode, SetPinned, SetRetrievalTokens,
 )
 from .worker_host import WorkerHost, failure_of
 
@@ -18,6 +19,48 @@ from .worker_host import WorkerHost, failure_of
 class DocumentRequests:
     def __init__(self, host: WorkerHost):
         self.w = host
+
+    def documents_of(self, conv: int) -> DocumentsChanged:
+        """The open session's documents as the window's rows show them."""
+        docs = self.w.session.documents if self.w.session is not None else []
+        return DocumentsChanged(conv, tuple(self.document_info(d) for d in docs))
+
+    def document_info(self, d) -> DocumentInfo:
+        retrieval = d.pinned and d.mode == "retrieval"
+        return DocumentInfo(key=d.id, name=d.name, path=d.path, n_tokens=d.n_tokens,
+                            pinned=d.pinned, cached=d.cached, mode=d.mode if d.pinned else "whole",
+                            sections=len(d.index.chunks) if retrieval and d.index is not None else 0,
+                            whole_ctx=self.w.whole_ctx(d.n_tokens) if retrieval else 0)
+
+    def restore(self, session, documents) -> None:
+        """Adds a conversation's stored documents (``OpenConversation.documents``) to its new
+        ``session`` without reading them into the cache (the caller prepares the pinned prefix);
+        one that no longer fits pinned is kept unpinned, one that cannot be read is left out,
+        each said on ``error``."""
+        from engine.errors import DocumentError
+
+        w = self.w
+        for d in documents:
+            if not d.text and d.path:       # a file too large to hold: read from it again
+                try:
+                    try:
+                        doc = session.add_document(d.path, name=d.name, prefill=False,
+                                                   pinned=d.pinned, doc_id=d.key)
+                    except DocumentError as exc:  # e.g. whole mode: kept unpinned if it reads
+                        doc = session.add_document(d.path, name=d.name, pinned=False, doc_id=d.key)
+                        w.error.emit(Failure(exc.kind, f"{d.name} is no longer pinned: {exc.user_message}"))
+                except DocumentError as exc:
+                    w.error.emit(Failure(exc.kind, f"{d.name} cannot be read: {exc.user_message}"))
+                    continue
+                doc.path = d.path
+                continue
+            try:
+                doc = session.add_document(text=d.text, name=d.name, prefill=False,
+                                           pinned=d.pinned, doc_id=d.key)
+            except DocumentError as exc:    # no longer fits (a smaller context): kept unpinned
+                doc = session.add_document(text=d.text, name=d.name, pinned=False, doc_id=d.key)
+                w.error.emit(Failure(exc.kind, f"{d.name} is no longer pinned: {exc.user_message}"))
+            doc.path = d.path
 
     def add_document(self, request: AddDocument) -> None:
         from engine.documents import DocumentFile, open_document
@@ -61,9 +104,9 @@ class DocumentRequests:
             return
         w.publish_kv()
         file = getattr(doc, "file", None)
-        w.documentAdded.emit(DocumentAdded(conv, w.document_info(doc), doc.text,
+        w.documentAdded.emit(DocumentAdded(conv, self.document_info(doc), doc.text,
                                            file.sha256 if file is not None else None))
-        w.documentsChanged.emit(w.documents_of(conv))
+        w.documentsChanged.emit(self.documents_of(conv))
 
     def set_pinned(self, request: SetPinned) -> None:
         w = self.w
@@ -81,7 +124,7 @@ class DocumentRequests:
         else:
             w.documentPinned.emit(DocumentPinned(conv, key, request.pinned))
         w.publish_kv()
-        w.documentsChanged.emit(w.documents_of(conv))
+        w.documentsChanged.emit(self.documents_of(conv))
 
     def set_doc_mode(self, request: SetDocMode) -> None:
         """The conversation's document mode (after the current settings, e.g. a raised
@@ -106,7 +149,7 @@ class DocumentRequests:
                 if d.pinned:
                     w.documentPinned.emit(DocumentPinned(conv, d.id, True))
         w.publish_kv()
-        w.documentsChanged.emit(w.documents_of(conv))
+        w.documentsChanged.emit(self.documents_of(conv))
 
     def set_retrieval_tokens(self, request: SetRetrievalTokens) -> None:
         """The conversation's retrieval budget, from its next answer on (a remote server reads
@@ -128,4 +171,4 @@ class DocumentRequests:
         except Exception as exc:
             w.error.emit(failure_of(exc, f"removing {request.key} failed"))
         w.publish_kv()
-        w.documentsChanged.emit(w.documents_of(request.conv))
+        w.documentsChanged.emit(self.documents_of(request.conv))

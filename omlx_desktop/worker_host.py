@@ -13,7 +13,7 @@ from PySide6.QtCore import SignalInstance
 
 from engine.errors import OmlxError
 
-from .protocol import DocumentInfo, DocumentsChanged, Failure
+from .protocol import Failure
 
 log = logging.getLogger("omlx.desktop.worker")
 
@@ -56,9 +56,5 @@ class WorkerHost(Protocol):
     def prepare_pinned(self, conv: int) -> None: ...
 
     def publish_kv(self) -> None: ...
-
-    def documents_of(self, conv: int) -> DocumentsChanged: ...
-
-    def document_info(self, d) -> DocumentInfo: ...
 
     def whole_ctx(self, n_tokens: int) -> int: ...
