@@ -171,8 +171,7 @@ class PrefixSaver:
         self.saved = 0  # files written
         self.failed = 0  # writes that failed (logged by the store)
         self.dropped = 0  # offers dropped with max_pending copies waiting
-        self._sweep = not disk._swept  # the thread sweeps (not the first snapshot, on the caller's thread)
-        disk._swept = True
+        self._sweep = disk.take_sweep()  # the thread sweeps (not the first snapshot, on the caller's thread)
         self._thread = threading.Thread(target=self._run, name="omlx-prefix-saver", daemon=True)
         self._thread.start()
 

@@ -468,7 +468,13 @@ class PrefixDiskStore:
     def __init__(self, directory: str | os.PathLike | None = None, budget_bytes: int = DEFAULT_DISK_BUDGET):
         self.directory = Path(directory) if directory is not None else cache_dir() / "prefixes"
         self.budget_bytes = budget_bytes
-        self._swept = False
+        self._sweep_taken = False
+
+    def take_sweep(self) -> bool:
+        """True the first time it is asked: the caller then sweeps this store's stale temporaries
+        (`sweep_stale`), once per store, on whichever thread saves first."""
+        first, self._sweep_taken = not self._sweep_taken, True
+        return first
 
     def sweep_stale(self) -> int:
         """Remove the temporary files of saves whose process is gone (killed mid-write: the name
@@ -504,8 +510,7 @@ class PrefixDiskStore:
         """What `write` needs to save the chain, copied out of the pools now (the caller's
         thread, which owns them), so that the write can run on another thread while the pools
         change. The saved file's path instead when it exists already (touched: recently used)."""
-        if not self._swept:  # once per store: what a killed process left behind
-            self._swept = True
+        if self.take_sweep():  # what a killed process left behind
             self.sweep_stale()
         path = self.path_for(keys[-1])
         if path.exists():
