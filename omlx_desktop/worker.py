@@ -85,15 +85,15 @@ def is_frozen() -> bool:
     return bool(getattr(sys, "frozen", False))
 
 
-def fit_estimate(path, ctx: int | None, spec: str | None):
-    """engine.fit's estimate for ``path`` at context ``ctx`` and KV setting ``spec`` (None if the
-    estimate itself fails: the load then reports what is wrong with the file)."""
+def fit_estimate(path, ctx: int | None, kv):
+    """engine.fit's estimate for ``path`` at context ``ctx`` and KVConfig ``kv`` (None: the default
+    preset); None if the estimate itself fails (the load then reports what is wrong with the file)."""
     from engine import fit
     from engine.errors import SettingsError
 
     try:
         try:
-            return fit.estimate_file(path, ctx, spec)
+            return fit.estimate_file(path, ctx, kv)
         except SettingsError:  # a KV setting for another model's layers: the default's estimate
             return fit.estimate_file(path, ctx, None)
     except Exception as exc:
@@ -164,7 +164,7 @@ class EngineWorker(QObject):
         self.remote = None                      # engine.remote.RemoteEndpoint when chatting through a server
         self.session = None
         self.conv: int | None = None
-        self.spec: str | None = None            # wanted KV spec (None: the default preset)
+        self.kv_wanted = None                   # wanted KVConfig, parsed once from Configure (None: the default preset)
         self.ctx: int | None = None
         self.overflow = "rolling"
         self.speculate = "off"                  # wanted speculative decoding (SetSpeculate)
@@ -253,7 +253,7 @@ class EngineWorker(QObject):
 
         try:
             path = resolve_model(request.spec, fetch_missing=False)
-            estimate = fit_estimate(path, self.ctx, self.spec)
+            estimate = fit_estimate(path, self.ctx, self.kv_wanted)
             if estimate is not None and estimate.verdict == DOES_NOT_FIT and not request.force:
                 log.info("%s does not fit: %s", path, estimate.summary())
                 self.loadNeedsConfirmation.emit(FitCheck(
@@ -262,13 +262,13 @@ class EngineWorker(QObject):
                 return
             engine = Engine.load(path, progress=lambda s, f: self.loadProgress.emit(s, float(f)))
             engine.speculate = self.speculate
-            if self.spec:
+            if self.kv_wanted is not None:
                 try:
-                    engine.set_kv(self.spec)
+                    engine.set_kv(self.kv_wanted)
                 except SettingsError as exc:  # e.g. per-layer overrides past its last layer:
                     # the window trims them to the model's layers and configures again
                     log.info("KV setting %s does not fit %s (%s); using %s until the next "
-                             "setting", self.spec, engine.name, exc, engine.kv_config)
+                             "setting", self.kv_wanted, engine.name, exc, engine.kv_config)
             arith_error = self.tuning.use_arith(engine)
             # all of the new model's description before it replaces the loaded one: a failure
             # here leaves the previous model (and its conversation) answering
@@ -333,8 +333,11 @@ class EngineWorker(QObject):
     # -- settings -------------------------------------------------------------------------
     def configure(self, request: Configure) -> None:
         """Remembers the wanted KV spec, context and overflow policy; they apply before the
-        next turn (a new KV format starts a new prefix cache)."""
-        self.spec = request.spec
+        next turn (a new KV format starts a new prefix cache). The spec is parsed here, once: a
+        bad one fails this request and leaves the wanted settings as they were."""
+        from engine.kv.config import parse_kv
+
+        self.kv_wanted = parse_kv(request.spec) if request.spec else None
         if request.ctx:
             self.ctx = request.ctx
         if request.overflow:
@@ -348,11 +351,11 @@ class EngineWorker(QObject):
             return
         from engine.kv.config import parse_kv
 
+        config = parse_kv(self.kv_wanted)  # None: the default preset
         try:
-            config = parse_kv(self.spec)
             cost = self.session.switch_cost(config)
         except Exception:  # a spec for another model's layers, a document that cannot render
-            log.debug("no switch cost for %s", self.spec, exc_info=True)
+            log.debug("no switch cost for %s", config, exc_info=True)
             return
         self.switchCost.emit(dict(cost, spec=str(config)))
 
@@ -363,11 +366,9 @@ class EngineWorker(QObject):
         e, s = self.engine, self.session
         if e is None:               # a remote server: its KV and context are its own
             return
-        if self.spec:
-            from engine.kv.config import parse_kv
-
-            if str(parse_kv(self.spec)) != str(e.kv_config):
-                e.set_kv(self.spec)
+        if self.kv_wanted is not None:
+            if str(self.kv_wanted) != str(e.kv_config):
+                e.set_kv(self.kv_wanted)
                 self.settingsApplied.emit(KVApplied(str(e.kv_config), e.kv_bytes_per_token()))
                 if s is not None and any(d.pinned for d in s.documents):
                     self.prepare_pinned(self.conv)
@@ -459,9 +460,9 @@ class EngineWorker(QObject):
 
         gguf = (engine or self.engine).gguf
         try:
-            return fit.default_context(gguf, self.spec)
+            return fit.default_context(gguf, self.kv_wanted)
         except SettingsError as exc:  # a setting for another model's layers: the default's estimate
-            log.info("no context estimate at %s: %s", self.spec, exc)
+            log.info("no context estimate at %s: %s", self.kv_wanted, exc)
             return fit.default_context(gguf, None)
 
     def whole_ctx(self, n_tokens: int) -> int:

@@ -108,3 +108,24 @@ def test_the_worker_is_the_host_its_request_groups_use(qapp):
     worker = EngineWorker()
     missing = [name for name in members(WorkerHost) if not hasattr(worker, name)]
     assert not missing, missing
+
+
+def test_the_worker_parses_the_kv_spec_once_and_a_bad_one_fails_its_configure(qapp):
+    """Configure's spec becomes the worker's wanted KVConfig when it arrives (what load, the fit
+    estimates and the switch before a turn use); a bad spec is said on ``error`` and leaves the
+    wanted settings as they were."""
+    from engine.kv.config import KVConfig
+    from omlx_desktop.protocol import Configure
+    from omlx_desktop.worker import EngineWorker
+
+    worker = EngineWorker()
+    errors = []
+    worker.error.connect(errors.append)
+    worker.handle(Configure(spec="k6v4,bs=16", ctx=512))
+    wanted = worker.kv_wanted
+    assert isinstance(wanted, KVConfig) and str(wanted) == "k6v4,bs=16" and not errors
+    worker.handle(Configure(spec="k9v9", ctx=1024))
+    assert worker.kv_wanted is wanted and worker.ctx == 512
+    assert len(errors) == 1 and "9 bits is not a supported K precision" in errors[0].message
+    worker.handle(Configure(spec=None))
+    assert worker.kv_wanted is None  # the default preset
