@@ -310,20 +310,18 @@ def _tile_buffer(n_values: int) -> np.ndarray:
 PARALLEL_QUANTIZE_ROWS = 64
 
 
-def quantize_input(x: np.ndarray, fast: bool) -> np.ndarray:
-    """x (T, in) float32 C-contiguous -> its activations for the integer kernels (int8 if fast,
-    else 16-bit; `engine.kernels.int_dot`), long inputs on two threads: the same words either way
-    (each row is quantized alone)."""
+def quantize_input(x: np.ndarray, form: str) -> np.ndarray:
+    """x (T, in) float32 C-contiguous -> its activations for the integer kernels in `form`
+    (`int_dot.ACTIVATION_FORMS`: 16-bit as i16 pairs or hi/lo bytes, or int8), long inputs on
+    two threads: the same words either way (each row is quantized alone)."""
     from .kernels import int_dot
 
-    quantize = int_dot.quantize_activations_fast if fast else int_dot.quantize_activations
     T = x.shape[0]
     if T < PARALLEL_QUANTIZE_ROWS:
-        return quantize(x)
-    words = (int_dot.fast_activation_words if fast else int_dot.activation_words)(x.shape[1])
-    out = np.empty((T, words), np.float32)
+        return int_dot.quantize_form(x, form)
+    out = np.empty((T, int_dot.form_words(form, x.shape[1])), np.float32)
     half = T // 2
-    share(quantize, [(x[:half], out[:half]), (x[half:], out[half:])])
+    share(int_dot.quantize_form, [(x[:half], form, out[:half]), (x[half:], form, out[half:])])
     return out
 
 
@@ -339,7 +337,7 @@ def products(layers, x: np.ndarray) -> list:
             out.append(layer(x))
             continue
         if kind not in shared:
-            shared[kind] = quantize_input(x, kind == "fast")
+            shared[kind] = quantize_input(x, kind)
         out.append(layer(x, shared[kind]))
     return out
 
@@ -435,7 +433,7 @@ class QuantLinear:
         elif self._int is not None and T <= self.int_max_rows:
             x2 = np.ascontiguousarray(x2)
             if xw is None:
-                xw = quantize_input(x2, self.fast)
+                xw = quantize_input(x2, self.takes_quantized(x2))
             y = self._int(x2, np.empty((T, self.out_features), dtype=np.float32), self.fast, xw)
         elif T <= self.MATVEC_MAX_ROWS:
             y = self._matvec(x2, np.empty((T, self.out_features), dtype=np.float32))
@@ -444,11 +442,12 @@ class QuantLinear:
         return y.reshape(*lead, self.out_features)
 
     def takes_quantized(self, x: np.ndarray) -> str | None:
-        """"exact" or "fast": the activations this layer's integer kernels take for x (T, in)
-        float32 C-contiguous, which `quantize_input(x, fast)` makes; None when x goes another way."""
+        """The activations this layer's integer kernels take for x (T, in) float32 C-contiguous
+        (`int_dot.activation_form`: "pairs", "split" or "fast"), which `quantize_input(x, form)`
+        makes; None when x goes another way."""
         if self._int is None or not 0 < x.shape[0] <= max(self.int_max_rows, self.MATVEC_MAX_ROWS):
             return None
-        return "fast" if self.fast else "exact"
+        return "fast" if self.fast else self._int.form
 
     def _gemm(self, x: np.ndarray) -> np.ndarray:
         T, n = x.shape[0], self.out_features

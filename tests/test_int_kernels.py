@@ -161,6 +161,28 @@ def test_activation_quantizer_matches_its_emulation():
     assert np.all(q_ref[:, 96:128] == 0)
 
 
+def test_split_activations_are_the_16_bit_codes_as_hi_and_lo_bytes():
+    """The VNNI kernels' exact activations (`EXACT_FORM` "split"): q = 256 hi + lo per value,
+    hi signed and lo unsigned bytes, with the pairs' scales and sums, the half sums and sum(hi)."""
+    x = activations(3, 256, seed=8)
+    words = int_dot.quantize_activations_split(x)
+    assert words.shape == (3, int_dot.split_activation_words(256)) == (3, int_dot.form_words("split", 256))
+    h, nb = 256 // 2, 256 // 32
+    q_ref, s_ref, Q_ref, sQ_ref = int_reference.quantize_activations(x)
+    halves = words[:, :h].view(np.uint8).reshape(3, nb, 2, 32)
+    hi, lo = halves[:, :, 0].view(np.int8).astype(np.int64), halves[:, :, 1].astype(np.int64)
+    assert np.array_equal((256 * hi + lo).reshape(3, 256), q_ref)
+    assert hi.min() >= -128 and hi.max() <= 127 and lo.min() >= 0 and lo.max() <= 255
+    assert np.array_equal(bits(words[:, h : h + nb]), bits(s_ref))
+    assert np.array_equal(words[:, h + nb : h + 2 * nb].view(np.int32), Q_ref)
+    assert np.array_equal(bits(words[:, h + 2 * nb : h + 3 * nb]), bits(sQ_ref))
+    assert np.array_equal(words[:, h + 3 * nb : h + 5 * nb].view(np.int32), q_ref.reshape(3, 16, 16).sum(-1))
+    assert np.array_equal(words[:, h + 5 * nb :].view(np.int32), hi.sum(-1))
+    assert np.abs(q_ref).max() == int_dot.ACT_MAX  # the extremes (hi = 127, -128) are in the test
+    assert {int_dot.activation_form(isa, False) for isa in INT_ISAS} <= {"split", "pairs"}
+    assert all(int_dot.activation_form(isa, True) == "fast" for isa in INT_ISAS)
+
+
 def test_kernels_are_made_for_every_declared_type_and_instruction_set():
     """`INT_TYPES` and `int_dot.ISA_LANES` are the only lists: each (type, instruction set, mode)
     has a row loop calling its own intrinsics and a compute function calling that loop, functions
@@ -187,11 +209,12 @@ def test_assembly_uses_the_integer_instructions(isa):
     from numba import njit
 
     fn = njit(int_matvec._ROWS[QT.Q4_0, isa].py_func)  # a fresh compilation (cached code has no assembly)
-    fn(packed, int_dot.quantize_activations(np.ones((1, 64), np.float32)), np.empty((1, 16), np.float32), 0, 16, 0)
+    xw = int_dot.quantize_form(np.ones((1, 64), np.float32), int_dot.activation_form(isa, False))
+    fn(packed, xw, np.empty((1, 16), np.float32), 0, 16, 0)
     asm = "\n".join(fn.inspect_asm(sig) for sig in fn.signatures)
     # (on a CPU with VNNI, LLVM fuses the AVX2 path's vpmaddwd + vpaddd into one vpdpwssd ymm)
     avx2 = r"vpmaddwd" if not int_dot.isa_available("avxvnni") else r"vpmaddwd|vpdpwssd\s+[^\n]*ymm"
-    want = {"avx512vnni": r"vpdpwssd\s+[^\n]*zmm", "avxvnni": r"vpdpwssd\s+[^\n]*ymm", "avx2": avx2}[isa]
+    want = {"avx512vnni": r"vpdpbusd\s+[^\n]*zmm", "avxvnni": r"vpdpbusd\s+[^\n]*ymm", "avx2": avx2}[isa]
     assert re.search(want, asm)
 
 

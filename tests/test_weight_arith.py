@@ -66,12 +66,12 @@ def test_layers_sharing_an_input_quantize_it_once_and_compute_what_each_does_alo
         x = rng.standard_normal((T, 256)).astype(np.float32)
         calls.clear()
         together = weights.products(layers, x)
-        assert calls == [fast] or T > layers[0].int_max_rows, (T, calls)
+        assert calls == [int_dot.activation_form(int_dot.kernel_isa(), fast)] or T > layers[0].int_max_rows, (T, calls)
         for lin, y in zip(layers, together):
             assert np.array_equal(y.view(np.uint32), lin(x).view(np.uint32)), (T, lin.ggml_type)
-    quantize = int_dot.quantize_activations_fast if fast else int_dot.quantize_activations
+    form = int_dot.activation_form(int_dot.kernel_isa(), fast)
     x = rng.standard_normal((2 * weights.PARALLEL_QUANTIZE_ROWS + 1, 256)).astype(np.float32)
-    assert np.array_equal(real(x, fast).view(np.uint32), quantize(x).view(np.uint32))
+    assert np.array_equal(real(x, form).view(np.uint32), int_dot.quantize_form(x, form).view(np.uint32))
 
 
 def test_float_arithmetic_on_request_and_for_types_without_integer_kernels(monkeypatch):

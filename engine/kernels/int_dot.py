@@ -57,6 +57,33 @@ INT_MAX_ROWS = {"avx512vnni": None, "avxvnni": None, "avx2": 32}
 # (docs/performance.md, 2026-12-03)
 FAST_GAINS = {"avx512vnni": True, "avxvnni": True, "avx2": False}
 
+# The layout of the exact (16-bit) activations each instruction set's kernels read: with VNNI
+# the codes as hi and lo bytes for two `vpdpbusd` ("split", `quantize_activations_split`), whose
+# weight codes decode as bytes, half the shifts and masks of the i16 pairs; measured one thread,
+# cache-hot 2048 x 2048, Xeon with AVX-512 VNNI: Q4_K 1 / 4 / 16 rows 102 / 246 / 917 us as
+# pairs -> 80 / 186 / 688 split, Q4_0 77 / 222 / 887 -> 63 / 146 / 562, Q6_K 163 / 317 / 1095 ->
+# 141 / 272 / 914 (docs/kernels.md). AVX2 has no u8 x s8 product that keeps the sums exact, so
+# its kernels take the i16 pairs ("pairs", `quantize_activations`) to `vpmaddwd`.
+EXACT_FORM = {"avx512vnni": "split", "avxvnni": "split", "avx2": "pairs"}
+ACTIVATION_FORMS = ("pairs", "split", "fast")
+
+
+def activation_form(isa: str, fast: bool) -> str:
+    """The activations the (instruction set, exact or fast) kernels read: "pairs", "split" or "fast"."""
+    return "fast" if fast else EXACT_FORM[isa]
+
+
+def quantize_form(x: np.ndarray, form: str, out: np.ndarray | None = None) -> np.ndarray:
+    """x (T, K) float32 C-contiguous -> its activations in `form` (ACTIVATION_FORMS)."""
+    return {"pairs": quantize_activations, "split": quantize_activations_split,
+            "fast": quantize_activations_fast}[form](x, out)
+
+
+def form_words(form: str, k: int) -> int:
+    """float32 words of one row of k values in `form`."""
+    return {"pairs": activation_words, "split": split_activation_words, "fast": fast_activation_words}[form](k)
+
+
 ACT_BLOCK = 32  # activation values per scale
 ACT_MAX = 32767  # largest |code|
 
@@ -295,6 +322,85 @@ def quantize_activations_fast(x: np.ndarray, out: np.ndarray | None = None) -> n
     h = K // 4
     _quantize8(x, out[:, :h].view(np.int8), out[:, h : h + nb], out[:, h + nb : h + 2 * nb].view(np.int32),
                out[:, h + 2 * nb : h + 3 * nb], out[:, h + 3 * nb :].view(np.int32))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The exact activations as two int8 halves, for `vpdpbusd` (VNNI): the same 16-bit codes q
+# ---------------------------------------------------------------------------------------------
+#
+# q = 256 hi + lo, hi = q >> 8 (arithmetic: -128..127), lo = q & 255 (unsigned 0..255). A weight
+# code c (unsigned, 0..255 or 0..63) times q is then two u8 x s8 products the instruction makes:
+# 256 (c x hi) + (lo x c') with c' the code as a signed byte (every unsigned code the kernels use
+# fits one, but Q8_0's signed bytes, which go as they are into the lo product and as c + 128 into
+# the hi one, minus 128 sum(hi)). The integer sums are the 16-bit codes' exactly, so a kernel
+# reading this layout gives the bits of one reading `quantize_activations`' pairs.
+#
+# Layout of one row of x (K values, nb = K / 32 blocks), float32 words:
+#     words [0, K/2)            block b's 16 words at 16b..16b+15: words 16b..16b+7 the hi bytes
+#                               of values 0..31 in value order (word 16b + j: values 4j..4j+3),
+#                               words 16b+8..16b+15 the lo bytes the same way
+#     words [K/2, K/2 + nb)     float32 s_b, as `quantize_activations`
+#     words [+nb, +2nb)         int32 Q_b = sum of block b's codes q
+#     words [+2nb, +3nb)        float32 sQ_b = s_b * float32(Q_b)
+#     words [+3nb, +5nb)        int32 sums of q over values 0..15 and 16..31 of block b (words 2b, 2b+1)
+#     words [+5nb, +6nb)        int32 sum of block b's hi bytes
+
+
+def split_activation_words(k: int) -> int:
+    """float32 words of one row of k values in the hi/lo layout."""
+    return k // 2 + 6 * (k // ACT_BLOCK)
+
+
+@njit(nogil=True, cache=True)
+def _quantize_split(x, halves, scales, sums, scaled_sums, half_sums, hi_sums):
+    T, K = x.shape
+    for t in range(T):
+        for b in range(K // 32):
+            k0 = 32 * b
+            amax = np.float32(0.0)
+            for i in range(32):
+                a = abs(x[t, k0 + i])
+                if a > amax:
+                    amax = a
+            s = amax / np.float32(32767.0)
+            lo_sum = 0
+            hi_sum = 0
+            high = 0
+            if s > 0:
+                for i in range(32):
+                    q = int(np.rint(x[t, k0 + i] / s))
+                    h = q >> 8
+                    halves[t, 2 * k0 + i] = h
+                    halves[t, 2 * k0 + 32 + i] = q - 256 * h
+                    high += h
+                    if i < 16:
+                        lo_sum += q
+                    else:
+                        hi_sum += q
+            else:
+                for i in range(64):
+                    halves[t, 2 * k0 + i] = 0
+            scales[t, b] = s
+            sums[t, b] = lo_sum + hi_sum
+            scaled_sums[t, b] = s * np.float32(lo_sum + hi_sum)
+            half_sums[t, 2 * b] = lo_sum
+            half_sums[t, 2 * b + 1] = hi_sum
+            hi_sums[t, b] = high
+
+
+def quantize_activations_split(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """x (T, K) float32, C-contiguous, K a multiple of 32 -> (T, split_activation_words(K)) float32
+    words in the hi/lo layout above (the codes of `quantize_activations`, split)."""
+    T, K = x.shape
+    nb = K // ACT_BLOCK
+    if out is None:
+        out = np.empty((T, split_activation_words(K)), dtype=np.float32)
+    h = K // 2
+    # the halves as uint8 (lo is unsigned; hi's bytes are its two's complement)
+    _quantize_split(x, out[:, :h].view(np.uint8), out[:, h : h + nb], out[:, h + nb : h + 2 * nb].view(np.int32),
+                    out[:, h + 2 * nb : h + 3 * nb], out[:, h + 3 * nb : h + 5 * nb].view(np.int32),
+                    out[:, h + 5 * nb :].view(np.int32))
     return out
 
 

@@ -42,7 +42,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import int_dot
-from .int_dot import IntIR, quantize_activations
+from .int_dot import IntIR
 from .vector_ir import F16, F32, I8, I32, I64, VectorIR, data_pointer, f32_pointer, u8_pointer, vector_type
 
 log = logging.getLogger("omlx.kernels")
@@ -597,7 +597,7 @@ def _fast_code_vectors(v, t: IntType, gb, lanes, half, sub):
     return out
 
 
-def make_group_dot_fast(t: IntType, isa: str, n: int):
+def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
     """Fast mode (`int_dot.quantize_activations_fast`: int8 activations per 32 values), the
     intrinsic signature of `make_group_dot`. Per activation block a and weight row, I the exact
     int32 sum of unsigned codes times int8 codes (`vpdpbusd`; AVX2 `vpmaddubsw` + `vpmaddwd`):
@@ -606,12 +606,20 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
               I_lo + 16 I_hi, so that no i16 pair sum saturates)
         Q4_K  float32(I) * ((d * sc_a) * s_a) - (dmin * m_a) * sQ_a
         Q6_K  float32(I_lo - 32 Q16_lo) * ((d * sc_lo) * s_a), then the same for the high half
-    the same float operations as the exact kernels', each added to the row's sum in order."""
+    the same float operations as the exact kernels', each added to the row's sum in order.
 
+    split: the exact kernels' form with VNNI (`int_dot.quantize_activations_split`: the 16-bit
+    codes as hi and lo bytes): I = 256 (codes x hi) + (lo x codes), two `vpdpbusd` per code vector
+    (Q8_0: its codes + 128 against hi, minus 128 sum(hi), and its signed bytes against lo), the
+    16-bit codes' exact sum and so the exact kernels' bits, with the fast mode's byte decoding
+    (half the shifts and masks of the i16 pairs)."""
+
+    assert not split or isa != "avx2"
     lanes = int_dot.ISA_LANES[isa]
     halves = GROUP // lanes
     subs = t.values // 32
-    n_int_accs = max(1, 2 // n)
+    n_int_accs = max(1, 2 // n) if not split else 1  # split: hi and lo are two chains already
+    block_words = 16 if split else 8  # activation code words per 32 values
 
     @intrinsic
     def gdot(typingctx, raw, xw, y, g, t0, yoff):
@@ -635,7 +643,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
             c64 = lambda k: ir.Constant(I64, k)  # noqa: E731
             nb = builder.sdiv(row_bytes, c64(t.nbytes))
             na = builder.mul(nb, c64(subs))  # activation blocks per x row
-            c_words = builder.mul(na, c64(8))  # int8 code words per x row
+            c_words = builder.mul(na, c64(block_words))  # code words per x row
             group_base = v.gep(rp, builder.mul(builder.mul(gi, c64(GROUP)), row_bytes))
             x_rows = [v.gep(xp, builder.mul(builder.add(t0i, c64(i)), builder.mul(words, c64(4)))) for i in range(n)]
             zero_f = ir.Constant(vf, [0.0] * lanes)
@@ -649,6 +657,12 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                 return v.splat(v.load(v.gep(xr, part(index)), 0, ty, align=4), lanes)
 
             def dot_sum(xc, codes):
+                if split:  # codes: [(u8 codes, s8 codes, word)]; hi bytes at xc, lo bytes 32 on
+                    hi = lo = zero_i
+                    for w_u8, w_s8, word in codes:
+                        hi = ii.dot4u8s8(hi, w_u8, v.splat(v.load(xc, 4 * word, I32, align=4), lanes))
+                        lo = ii.dot4u8s8(lo, v.splat(v.load(xc, 32 + 4 * word, I32, align=4), lanes), w_s8)
+                    return hi, lo
                 accs = [zero_i] * n_int_accs
                 for k, (w, word) in enumerate(codes):
                     a = v.splat(v.load(xc, 4 * word, I32, align=4), lanes)
@@ -657,6 +671,9 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                 for extra in accs[1:]:
                     total = builder.add(total, extra)
                 return total
+
+            def join(sums):  # split: I = 256 hi + lo
+                return builder.add(v.shl(sums[0], 8), sums[1]) if split else sums
 
             def scale_byte(gb, i, h, signed):
                 raw8 = v.load(gb, t.field_at[len(t.fields) - (16 if t.kind == "q6_k" else 12) + i] + lanes * h, vb,
@@ -680,11 +697,14 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                         m = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
                     for sub in range(subs):
                         a = builder.add(builder.mul(bi, c64(subs)), c64(sub))
-                        code_off = builder.mul(a, c64(32))  # 8 words of int8 codes per block
+                        code_off = builder.mul(a, c64(4 * block_words))
                         s_at = builder.add(c_words, a)
                         x_scale = [x_word(xr, s_at, F32) for xr in x_rows]
                         codes = _fast_code_vectors(v, t, gb, lanes, h, sub)
-                        if t.kind == "bytes":
+                        if split:  # (u8, s8, word): the unsigned codes are s8 too, Q8_0's are s8
+                            codes = [(v.b.xor(w, ir.Constant(vi, [0x80808080 - 2**32] * lanes)) if t.kind == "bytes"
+                                      else w, w, word) for w, word in codes]
+                        elif t.kind == "bytes":
                             codes = [(v.b.xor(w, ir.Constant(vi, [0x80808080 - 2**32] * lanes)), word)
                                      for w, word in codes]  # codes + 128, unsigned
                         if t.kind in ("q4_k", "q5_k"):
@@ -707,7 +727,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                             if t.kind in ("q6_k", "q3_k"):
                                 code_offset = 32 if t.kind == "q6_k" else 4
                                 for e in (0, 1):
-                                    total = dot_sum(xc, codes[4 * e : 4 * e + 4])
+                                    total = join(dot_sum(xc, codes[4 * e : 4 * e + 4]))
                                     q16 = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(3))),
                                                                         builder.add(builder.mul(a, c64(2)), c64(e))), I32)
                                     total = builder.sub(total, builder.mul(q16, ir.Constant(vi, [code_offset] * lanes)))
@@ -719,10 +739,16 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
                                 lo = dot_sum(xc, [(v.and_(w, 0x0F0F0F0F), word) for w, word in codes])
                                 hi = dot_sum(xc, [(v.and_(v.shr(w, 4), 0x0F0F0F0F), word) for w, word in codes])
                                 total = builder.add(lo, v.shl(hi, 4))
+                            elif split and t.kind == "bytes":
+                                hi, lo = dot_sum(xc, codes)
+                                hi_sum = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(5))), a),
+                                                I32)
+                                hi = builder.sub(hi, builder.mul(hi_sum, ir.Constant(vi, [128] * lanes)))
+                                total = builder.add(v.shl(hi, 8), lo)
                             else:
-                                total = dot_sum(xc, codes)
-                            if t.kind in ("nibbles", "bytes", "q5") and t.offset + (128 if t.kind == "bytes" else 0):
-                                off = t.offset + (128 if t.kind == "bytes" else 0)
+                                total = join(dot_sum(xc, codes))
+                            off = t.offset + (128 if t.kind == "bytes" and not split else 0)
+                            if t.kind in ("nibbles", "bytes", "q5") and off:
                                 q_sum = x_word(x_rows[i], builder.add(builder.add(c_words, na), a), I32)
                                 total = builder.sub(total, builder.mul(q_sum, ir.Constant(vi, [off] * lanes)))
                             if t.kind in ("q4_k", "q5_k"):
@@ -748,8 +774,16 @@ def make_group_dot_fast(t: IntType, isa: str, n: int):
     return gdot
 
 
+def make_group_dot_exact(t: IntType, isa: str, n: int):
+    """The exact intrinsic for the activations `int_dot.EXACT_FORM` gives `isa`: hi/lo bytes
+    (`make_group_dot_fast(split=True)`) or i16 pairs (`make_group_dot`, `make_group_dot_k`)."""
+    if int_dot.EXACT_FORM[isa] == "split":
+        return make_group_dot_fast(t, isa, n, split=True)
+    return (make_group_dot_k if t.values == 256 else make_group_dot)(t, isa, n)
+
+
 # One intrinsic per (type, instruction set, rows of x at once)
-_GDOT = {(tt, isa, n): (make_group_dot_k if INT_TYPES[tt].values == 256 else make_group_dot)(INT_TYPES[tt], isa, n)
+_GDOT = {(tt, isa, n): make_group_dot_exact(INT_TYPES[tt], isa, n)
          for tt in INT_TYPES for isa in int_dot.ISA_LANES for n in (1, 2, 4)}
 
 # Rows of x per pass over a group's blocks (each block's codes decoded once for them)
@@ -849,7 +883,7 @@ class IntMatvec:
     """y = x @ W.T by the integer kernels, for one matrix: W the GGUF blocks `raw` (rows, bytes),
     repacked here (the caller drops `raw` and keeps `packed`)."""
 
-    __slots__ = ("ggml_type", "isa", "packed", "n_rows", "in_features", "compute", "compute_fast", "chunk")
+    __slots__ = ("ggml_type", "isa", "packed", "n_rows", "in_features", "compute", "compute_fast", "chunk", "form")
 
     def __init__(self, ggml_type, raw: np.ndarray, in_features: int, isa: str, packed: np.ndarray | None = None):
         from .pool import CHUNK_BYTES, MAX_CHUNKS, readonly
@@ -860,6 +894,7 @@ class IntMatvec:
         self.packed = readonly(repack(raw, ggml_type) if packed is None else packed)
         self.n_rows, self.in_features = raw.shape[0], in_features
         self.compute = compute_address(ggml_type, isa)
+        self.form = int_dot.activation_form(isa, False)  # the exact kernels' activations
         self.compute_fast = None  # compiled on the first fast-mode product
         # rows per chunk: ~CHUNK_BYTES, whole groups of GROUP rows, and at most MAX_CHUNKS chunks
         # (the pool's state array has that many slots: a vocabulary-sized matrix of 262,144 rows
@@ -869,20 +904,18 @@ class IntMatvec:
 
     def __call__(self, x: np.ndarray, out: np.ndarray, fast: bool = False, xw: np.ndarray | None = None) -> np.ndarray:
         """x C-contiguous float32 (T, in_features) -> out (T, rows), C-contiguous. fast: int8
-        activations (`int_dot.quantize_activations_fast`), else 16-bit. xw: x already quantized
-        that way (several matrices reading one input quantize it once)."""
+        activations (`int_dot.quantize_activations_fast`), else 16-bit (in `self.form`). xw: x
+        already quantized that way (several matrices reading one input quantize it once)."""
         from .pool import BUF_VALUES, run_rows
 
         if fast:
             if self.compute_fast is None:
                 self.compute_fast = compute_address(self.ggml_type, self.isa, True)
             compute = self.compute_fast
-            if xw is None:
-                xw = int_dot.quantize_activations_fast(x)
         else:
             compute = self.compute
-            if xw is None:
-                xw = quantize_activations(x)
+        if xw is None:
+            xw = int_dot.quantize_form(x, "fast" if fast else self.form)
         # the pool shares a job of at most BUF_VALUES outputs per chunk: a long prompt goes in
         # slices of rows of x (the kernels compute a row the same in any batch, so slicing changes
         # no bit)
@@ -923,7 +956,7 @@ def warm_up(ggml_types, isa: str, fast: bool = False) -> float:
         return 0.0
     t0 = time.perf_counter()
     x = np.zeros((1, 64), np.float32)
-    quantize_activations(x)
+    int_dot.quantize_form(x, int_dot.activation_form(isa, False))
     for t in todo:
         it = INT_TYPES[t]
         k = max(64, it.values)
