@@ -199,7 +199,7 @@ def test_kernels_are_made_for_every_declared_type_and_instruction_set():
                 assert getattr(int_matvec, fn.__qualname__) in (fn, rows[key]) and fn.__qualname__ not in names
                 names.add(fn.__qualname__)
             called = [getattr(int_matvec, n) for n in loop.__code__.co_names if n.startswith(("_g_", "_f_"))]
-            assert called == [gdots[(*key, n)] for n in (4, 2, 1)]
+            assert called == [gdots[(*key, n)] for n in int_matvec.X_TILES[key[1]]]
             assert getattr(int_matvec, compute.__code__.co_names[0]) is rows[key]
 
 
