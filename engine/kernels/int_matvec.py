@@ -597,6 +597,63 @@ def _fast_code_vectors(v, t: IntType, gb, lanes, half, sub):
     return out
 
 
+def _fast_k_code_vectors(v, t: IntType, gb, lanes, half, sub):
+    """`_fast_code_vectors` of a k-quant for a run-time sub-block `sub` (i64, 0..7): the loop over
+    a super-block's 8 activation blocks stays a loop in the IR (8 copies of a body of 8 rows made
+    the kernels' compile time double); the same bytes. A bit moving to bit 4 (or 2) of each byte is
+    shifted right by its run-time position, masked to bit 0 and shifted back up."""
+    b = v.b
+    vi = vector_type(I32, lanes)
+    i32 = b.trunc(sub, I32)
+
+    def shift_by(x):  # a run-time i32 shift count, splat
+        return v.splat(x, lanes)
+
+    def word_at(base_words, j):  # code word base_words + j, base_words an i64 IR value
+        at = b.add(b.mul(base_words, ir.Constant(I64, 64)), ir.Constant(I64, t.header + 64 * j + 4 * lanes * half))
+        return v.load(gb, at, vi, align=1)
+
+    c64 = lambda k: ir.Constant(I64, k)  # noqa: E731
+    out = []
+    if t.kind in ("q4_k", "q5_k"):
+        c = b.lshr(sub, c64(1))
+        hi4 = shift_by(b.shl(b.and_(i32, ir.Constant(I32, 1)), ir.Constant(I32, 2)))  # 4 for the high nibbles
+        bit = shift_by(i32)  # 2c + hi: the fifth bit's place in each qh byte
+        for j in range(8):
+            if t.kind == "q4_k":
+                p = word_at(b.mul(c, c64(8)), j)
+                out.append((v.and_(v.shr(p, hi4), 0x0F0F0F0F), j))
+            else:
+                p = word_at(b.add(b.mul(c, c64(8)), c64(8)), j)
+                qh = v.load(gb, t.header + 64 * j + 4 * lanes * half, vi, align=1)
+                fifth = v.shl(v.and_(v.shr(qh, bit), 0x01010101), 4)
+                out.append((v.or_(v.and_(v.shr(p, hi4), 0x0F0F0F0F), fifth), j))
+        return out
+    n = b.lshr(sub, c64(2))
+    k = b.and_(i32, ir.Constant(I32, 3))
+    if t.kind == "q3_k":  # unsigned 0..7 (offset 4, per 16 values)
+        low_shift = shift_by(b.shl(k, ir.Constant(I32, 1)))  # 2k
+        high_bit = shift_by(b.add(b.shl(b.trunc(n, I32), ir.Constant(I32, 2)), k))  # 4n + k
+        for j in range(8):
+            pl = word_at(b.add(b.mul(n, c64(8)), c64(8)), j)
+            ph = v.load(gb, t.header + 64 * j + 4 * lanes * half, vi, align=1)
+            low = v.and_(v.shr(pl, low_shift), 0x03030303)
+            high = v.shl(v.and_(v.shr(ph, high_bit), 0x01010101), 2)
+            out.append((v.or_(low, high), j))
+        return out
+    # q6_k: ql word 16n + 8 (k & 1) + j (high nibbles for k >= 2), qh word 32 + 8n + j bits 2k, 2k + 1
+    ql_base = b.add(b.mul(n, c64(16)), b.mul(b.zext(b.and_(k, ir.Constant(I32, 1)), I64), c64(8)))
+    nib_shift = shift_by(b.shl(b.lshr(k, ir.Constant(I32, 1)), ir.Constant(I32, 2)))  # 4 for k >= 2
+    pair_shift = shift_by(b.shl(k, ir.Constant(I32, 1)))  # 2k
+    for j in range(8):
+        pl = word_at(ql_base, j)
+        ph = word_at(b.add(b.mul(n, c64(8)), c64(32)), j)
+        low = v.and_(v.shr(pl, nib_shift), 0x0F0F0F0F)
+        high = v.shl(v.and_(v.shr(ph, pair_shift), 0x03030303), 4)
+        out.append((v.or_(low, high), j))
+    return out
+
+
 def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
     """Fast mode (`int_dot.quantize_activations_fast`: int8 activations per 32 values), the
     intrinsic signature of `make_group_dot`. Per activation block a and weight row, I the exact
@@ -620,6 +677,11 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
     subs = t.values // 32
     n_int_accs = max(1, 2 // n) if not split else 1  # split: hi and lo are two chains already
     block_words = 16 if split else 8  # activation code words per 32 values
+    # A k-quant's 8 activation blocks as a loop in the IR from 4 rows of x: unrolled, the bodies of
+    # 8 rows made compiling a type's kernels take twice as long (Q4_K 1.2 -> 2.7 s of CPU time;
+    # looped 0.7). Below 4 rows the unrolled blocks stay: one row's integer chains are short, and
+    # a loop left them waiting on the dot products' latency (one row of Q4_K 80 -> 95 us).
+    loop_subs = n >= 4
 
     @intrinsic
     def gdot(typingctx, raw, xw, y, g, t0, yoff):
@@ -649,6 +711,9 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
             zero_f = ir.Constant(vf, [0.0] * lanes)
             zero_i = ir.Constant(vi, [0] * lanes)
             faccs = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(n)] for _ in range(halves)]
+
+            sub_scales = cgutils.alloca_once(builder, vf, size=16)  # per-sub-block scales (k-quants)
+            sub_minima = cgutils.alloca_once(builder, vf, size=8)
 
             def part(index):  # byte offset of word `index` (i64) of an x row
                 return builder.mul(index, c64(4))
@@ -695,12 +760,30 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
                         col = [scale_byte(gb, i, h, False) for i in range(12)]
                     if t.has_min:
                         m = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
-                    for sub in range(subs):
-                        a = builder.add(builder.mul(bi, c64(subs)), c64(sub))
+                    # the per-sub-block scales of a k-quant, for the run-time loop over its 8
+                    # activation blocks (d * sc and dmin * m, as the exact kernels compute them)
+                    if t.kind in ("q4_k", "q5_k"):
+                        for sub in range(subs):  # get_scale_min_k4
+                            if sub < 4:
+                                sc, mn = v.and_(col[sub], 63), v.and_(col[sub + 4], 63)
+                            else:
+                                sc = v.or_(v.and_(col[sub + 4], 15), v.shl(v.shr(col[sub - 4], 6), 4))
+                                mn = v.or_(v.shr(col[sub + 4], 4), v.shl(v.shr(col[sub], 6), 4))
+                            builder.store(builder.fmul(d, builder.sitofp(sc, vf)), builder.gep(sub_scales, [c64(sub)]))
+                            builder.store(builder.fmul(dmin, builder.sitofp(mn, vf)), builder.gep(sub_minima, [c64(sub)]))
+                    if t.kind == "q3_k":
+                        for is_ in range(16):
+                            scale = builder.sub(_q3_k_scale(v, col, is_), ir.Constant(vi, [32] * lanes))
+                            builder.store(builder.fmul(d, builder.sitofp(scale, vf)), builder.gep(sub_scales, [c64(is_)]))
+
+                    def sub_block(sub, fixed, h=h, d=d):  # activation block `sub` (i64; `fixed` its
+                        # value when known at compile time) of the weight block
+                        a = builder.add(builder.mul(bi, c64(subs)), sub)
                         code_off = builder.mul(a, c64(4 * block_words))
                         s_at = builder.add(c_words, a)
                         x_scale = [x_word(xr, s_at, F32) for xr in x_rows]
-                        codes = _fast_code_vectors(v, t, gb, lanes, h, sub)
+                        codes = (_fast_code_vectors(v, t, gb, lanes, h, fixed) if fixed is not None
+                                 else _fast_k_code_vectors(v, t, gb, lanes, h, sub))
                         if split:  # (u8, s8, word): the unsigned codes are s8 too, Q8_0's are s8
                             codes = [(v.b.xor(w, ir.Constant(vi, [0x80808080 - 2**32] * lanes)) if t.kind == "bytes"
                                       else w, w, word) for w, word in codes]
@@ -708,20 +791,19 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
                             codes = [(v.b.xor(w, ir.Constant(vi, [0x80808080 - 2**32] * lanes)), word)
                                      for w, word in codes]  # codes + 128, unsigned
                         if t.kind in ("q4_k", "q5_k"):
-                            if sub < 4:
-                                sc, mn = v.and_(col[sub], 63), v.and_(col[sub + 4], 63)
-                            else:
-                                sc = v.or_(v.and_(col[sub + 4], 15), v.shl(v.shr(col[sub - 4], 6), 4))
-                                mn = v.or_(v.shr(col[sub + 4], 4), v.shl(v.shr(col[sub], 6), 4))
-                            dsc = builder.fmul(d, builder.sitofp(sc, vf))
-                            dmn = builder.fmul(dmin, builder.sitofp(mn, vf))
-                        if t.kind == "q6_k":
-                            half_scales = [builder.fmul(d, builder.sitofp(scale_byte(gb, 2 * sub + e, h, True), vf))
-                                           for e in (0, 1)]
+                            dsc = builder.load(builder.gep(sub_scales, [sub]))
+                            dmn = builder.load(builder.gep(sub_minima, [sub]))
+                        if t.kind == "q6_k":  # its 16 scale bytes are fields 1..16, 16 rows' each
+                            half_scales = []
+                            for e in (0, 1):
+                                at = builder.add(builder.mul(builder.add(builder.mul(sub, c64(2)), c64(e)), c64(GROUP)),
+                                                 c64(t.field_at[1] + lanes * h))
+                                byte = builder.sext(v.load(gb, at, vb, align=1), vi)
+                                half_scales.append(builder.fmul(d, builder.sitofp(byte, vf)))
                         if t.kind == "q3_k":
-                            half_scales = [builder.fmul(d, builder.sitofp(
-                                builder.sub(_q3_k_scale(v, col, 2 * sub + e), ir.Constant(vi, [32] * lanes)), vf))
-                                for e in (0, 1)]
+                            half_scales = [builder.load(builder.gep(sub_scales, [builder.add(builder.mul(sub, c64(2)),
+                                                                                              c64(e))]))
+                                           for e in (0, 1)]
                         for i in range(n):
                             xc = v.gep(x_rows[i], code_off)
                             if t.kind in ("q6_k", "q3_k"):
@@ -762,6 +844,13 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
                                                 F32)
                                     blk = builder.fadd(blk, builder.fmul(m, sq))
                             add_block(h, i, blk)
+
+                    if subs == 1 or not loop_subs:
+                        for sub in range(subs):
+                            sub_block(c64(sub), sub)
+                    else:
+                        with cgutils.for_range(builder, c64(subs)) as sub_loop:
+                            sub_block(sub_loop.index, None)
             col0 = builder.sub(builder.mul(gi, c64(GROUP)), yoffi)
             for i in range(n):
                 yrow = v.gep(yp, builder.mul(builder.add(t0i, c64(i)), builder.mul(ycols, c64(4))))
