@@ -758,6 +758,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
                         dmin = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
                     if t.kind in ("q3_k", "q4_k", "q5_k"):
                         col = [scale_byte(gb, i, h, False) for i in range(12)]
+                    m = None
                     if t.has_min:
                         m = builder.fpext(v.load(gb, 32 + 2 * lanes * h, vector_type(F16, lanes), align=1), vf)
                     # the per-sub-block scales of a k-quant, for the run-time loop over its 8
@@ -776,7 +777,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
                             scale = builder.sub(_q3_k_scale(v, col, is_), ir.Constant(vi, [32] * lanes))
                             builder.store(builder.fmul(d, builder.sitofp(scale, vf)), builder.gep(sub_scales, [c64(is_)]))
 
-                    def sub_block(sub, fixed, h=h, d=d):  # activation block `sub` (i64; `fixed` its
+                    def sub_block(sub, fixed, h=h, d=d, m=m):  # activation block `sub` (i64; `fixed` its
                         # value when known at compile time) of the weight block
                         a = builder.add(builder.mul(bi, c64(subs)), sub)
                         code_off = builder.mul(a, c64(4 * block_words))
