@@ -20,6 +20,10 @@ vector holds the same 4 code bytes of 16 rows (lane r = row r): for group g and 
 The repacked matrix is viewed as (rows, bytes per row), the same shape as the file's, and replaces
 the mapped view (`repack`); `unpack_rows` gives rows back in GGUF order (embedding lookups).
 
+With VNNI the exact kernels read the codes q as hi and lo bytes (`int_dot.EXACT_FORM`, "split") and
+take `make_group_dot_fast(split=True)`: I = 256 (c x hi) + (lo x c) by `vpdpbusd`, the same I. On
+AVX2 they take the i16 pairs below.
+
 Per P_j (i32 lanes) the i16 pairs each `vpdpwssd` multiplies, without leaving the row's lane:
     nibbles: P & 0x000F000F -> values (4j, 4j+2); P >> 8 & ... -> (4j+1, 4j+3);
              P >> 4 & ... -> (16+4j, 16+4j+2); P >> 12 & ... -> (16+4j+1, 16+4j+3)
