@@ -250,11 +250,12 @@ QA_CTX = 2048
 
 def normalize_answer(text: str) -> str:
     """Lower case, a minus sign before a digit spelled "minus", everything but letters and
-    digits removed: "-31 degrees" and "Minus 31" both contain "minus31"."""
+    digits (of any script: "蓝色的柜子" stays) removed: "-31 degrees" and "Minus 31" both
+    contain "minus31"."""
     import re
 
     text = re.sub(r"(?<![\w])-(?=\d)", " minus ", text.lower())
-    return re.sub(r"[^a-z0-9]+", "", text)
+    return re.sub(r"[\W_]+", "", text)
 
 
 def is_correct(answer: str, accepted: list[str]) -> bool:
@@ -263,19 +264,51 @@ def is_correct(answer: str, accepted: list[str]) -> bool:
 
 
 def read_facts(path: Path = QA_FACTS) -> dict:
-    data = json.loads(Path(path).read_text())
+    """A QA set: {"facts": [{"fact", "question", "answers"}, ...], "depths": [one per fact,
+    0..1]} and optionally "filler": the texts the facts are planted in, as paths relative to
+    the file (default QA_FILLER), resolved here into Paths.
+
+    Raises:
+        ValueError: the file is not such a set (the message says what is wrong).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("facts"), list) \
+            or not isinstance(data.get("depths"), list):
+        raise ValueError(f"{path}: a QA set is an object with a \"facts\" list and a \"depths\" list")
     if len(data["facts"]) != len(data["depths"]):
         raise ValueError(f"{path}: one depth per fact")
+    if not all(isinstance(d, (int, float)) and 0 <= d <= 1 for d in data["depths"]):
+        raise ValueError(f"{path}: each depth is a fraction of the way through, 0 to 1")
+    for i, fact in enumerate(data["facts"], 1):
+        if not isinstance(fact, dict) or not all(isinstance(fact.get(k), str) for k in ("fact", "question")) \
+                or not isinstance(fact.get("answers"), list) or not fact["answers"]:
+            raise ValueError(f"{path}: fact {i} needs \"fact\", \"question\" and a list of \"answers\"")
+        if not all(isinstance(a, str) and normalize_answer(a) for a in fact["answers"]):
+            # an answer that normalizes to nothing would be contained in every reply
+            raise ValueError(f"{path}: fact {i} has an answer without a letter or digit")
+    filler = data.get("filler")
+    if filler is not None:
+        if not isinstance(filler, list) or not filler or not all(isinstance(f, str) for f in filler):
+            raise ValueError(f"{path}: \"filler\" is a list of text files (relative to {path.parent})")
+        data["filler"] = [path.parent / f for f in filler]
+    else:
+        data["filler"] = list(QA_FILLER)
     return data
 
 
-def qa_document(tokenizer, n_tokens: int, facts: dict) -> str:
-    """Filler paragraphs (the QA_FILLER texts in turn, again from the start when they run out)
-    up to about ``n_tokens`` tokens, with each fact as a paragraph of its own at its depth
-    (a fraction of the way through)."""
+def qa_document(tokenizer, n_tokens: int, facts: dict, filler=None) -> str:
+    """Filler paragraphs (the ``filler`` texts in turn, default the set's, again from the start
+    when they run out) up to about ``n_tokens`` tokens, with each fact as a paragraph of its own
+    at its depth (a fraction of the way through)."""
     paragraphs = []
-    for path in QA_FILLER:
-        paragraphs += [p.strip() for p in path.read_text().split("\n\n") if p.strip()]
+    for path in filler or facts.get("filler") or QA_FILLER:
+        paragraphs += [p.strip() for p in Path(path).read_text().split("\n\n") if p.strip()]
+    if not paragraphs:
+        raise ValueError("the QA filler texts hold no paragraph")
     counts = [len(tokenizer.encode(p)) + 2 for p in paragraphs]
     fact_tokens = sum(len(tokenizer.encode(f["fact"])) + 2 for f in facts["facts"])
     body: list[str] = []
@@ -315,12 +348,13 @@ class QARow:
 
 
 def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_tokens: int = 24,
-           facts_path: Path = QA_FACTS, retrieval_tokens: int | None = None,
+           facts_path: Path = QA_FACTS, filler=None, retrieval_tokens: int | None = None,
            retrieval_min_ratio: float = 0.0, progress=None) -> list[QARow]:
-    """For each KV spec and size: a document of that many contexts read in auto mode (whole when
-    it fits, else retrieval with ``retrieval_tokens``, default the session's; "ctx": a
-    context-sized one read whole, the reference cold read), its six questions asked in turn and
-    the first one again. The disk cache is off so the first question of each document is cold."""
+    """For each KV spec and size: a document of that many contexts (the set at ``facts_path``
+    planted in ``filler``, default the set's) read in auto mode (whole when it fits, else
+    retrieval with ``retrieval_tokens``, default the session's; "ctx": a context-sized one read
+    whole, the reference cold read), its questions asked in turn and the first one again. The
+    disk cache is off so the first question of each document is cold."""
     from .session import ANSWER_RESERVE, RETRIEVAL_TOKENS, Session
 
     budget = RETRIEVAL_TOKENS if retrieval_tokens is None else retrieval_tokens
@@ -337,7 +371,7 @@ def run_qa(engine, specs: list[str], *, ctx: int = QA_CTX, sizes=QA_SIZES, max_t
             cases = [(s, ctx - ANSWER_RESERVE - 96 if s == "ctx" else int(s * ctx)) for s in sizes]
             for size, n_tokens in cases:
                 engine.prefix_cache().clear()
-                text = qa_document(engine.tokenizer, n_tokens, facts)
+                text = qa_document(engine.tokenizer, n_tokens, facts, filler)
                 session = Session(engine, ctx=ctx, doc_mode="whole" if size == "ctx" else "auto",
                                   retrieval_tokens=budget, retrieval_min_ratio=retrieval_min_ratio)
                 label = "ctx" if size == "ctx" else f"{size:g}x"
@@ -390,16 +424,22 @@ def _warm_up(engine, progress=None) -> None:
         progress(f"warm-up: kernels ready and a short prompt answered in {time.perf_counter() - t0:.1f} s")
 
 
-def write_qa_report(rows: list[QARow], out: Path, *, model: str, ctx: int) -> dict[str, Path]:
+def write_qa_report(rows: list[QARow], out: Path, *, model: str, ctx: int,
+                    facts_path: Path = QA_FACTS, filler=None) -> dict[str, Path]:
+    """bench-qa.md, .json and .png in ``out``; the set and the filler (default the set's) named
+    in the table's heading and the JSON."""
     out.mkdir(parents=True, exist_ok=True)
+    filler = [Path(f).name for f in (filler or read_facts(facts_path)["filler"])]
     lines = [
         f"# omlx bench --qa: {model}, context {ctx:,}",
         "",
-        "Six facts planted at spread depths; an answer counts when it contains the fact "
-        "(normalized). Auto mode: whole when the document fits, else retrieval. The ctx row is a "
+        f"QA set {Path(facts_path).name}, planted in {', '.join(filler)}.",
+        "",
+        "Facts planted at spread depths; an answer counts when it contains one of the fact's "
+        "answers (normalized). Auto mode: whole when the document fits, else retrieval. The ctx row is a "
         "context-sized document read whole: the cold read a retrieval question is compared with. "
         "Budget: the retrieval budget in tokens (0: the room the context leaves); TTFT later: the "
-        "mean over questions 2-6; prefilled: tokens prefilled per question (prompt less cached).",
+        "mean over the questions after the first; prefilled: tokens prefilled per question (prompt less cached).",
         "",
         "| KV | size | doc tokens | read | budget | correct | TTFT cold s | TTFT later s | TTFT cached s "
         "| prefilled | prompt tokens | KV MiB |",
@@ -416,7 +456,8 @@ def write_qa_report(rows: list[QARow], out: Path, *, model: str, ctx: int) -> di
     md = out / "bench-qa.md"
     md.write_text("\n".join(lines) + "\n")
     data = out / "bench-qa.json"
-    data.write_text(json.dumps({"model": model, "ctx": ctx, "rows": [asdict(r) for r in rows]}, indent=1))
+    data.write_text(json.dumps({"model": model, "ctx": ctx, "facts": Path(facts_path).name, "filler": filler,
+                                "rows": [asdict(r) for r in rows]}, indent=1))
     paths = {"markdown": md, "json": data}
     png = _plot_qa(rows, out / "bench-qa.png", model, ctx)
     if png is not None:

@@ -416,6 +416,8 @@ def cmd_bench(args) -> int:
     from . import bench
     from .engine import Engine
 
+    if not args.qa and (args.qa_facts or args.qa_filler):
+        raise CLIError(f"{'--qa-facts' if args.qa_facts else '--qa-filler'} goes with --qa")
     path = _resolve(args.model)
     if args.qa:
         return _bench_qa(args, path)
@@ -444,6 +446,17 @@ def _bench_qa(args, path: Path) -> int:
 
     args.ctx = args.ctx or bench.QA_CTX
     specs = [str(parse_kv(s)) for s in (args.kv or ["k8v8", "k6v4", "k4v4"])]
+    facts_path = Path(args.qa_facts) if args.qa_facts else bench.QA_FACTS
+    if not facts_path.is_file():
+        raise CLIError(f"--qa-facts: no file {facts_path}")
+    try:
+        facts = bench.read_facts(facts_path)
+    except ValueError as exc:
+        raise CLIError(f"--qa-facts: {exc}") from None
+    filler = [Path(f) for f in args.qa_filler] if args.qa_filler else facts["filler"]
+    missing = [str(f) for f in filler if not f.is_file()]
+    if missing:
+        raise CLIError(f"{'--qa-filler' if args.qa_filler else facts_path}: no file {', '.join(missing)}")
     _check_fit(path, args, kv=specs[0])
     engine = Engine.load(path)
     sizes = bench.QA_SIZES
@@ -454,9 +467,11 @@ def _bench_qa(args, path: Path) -> int:
             raise CLIError(f"--qa-sizes takes numbers (or ctx) separated by commas, e.g. ctx,4,16; "
                            f"not {args.qa_sizes!r}") from None
     rows = bench.run_qa(engine, specs, ctx=args.ctx, sizes=sizes, max_tokens=args.max_tokens,
+                        facts_path=facts_path, filler=filler,
                         retrieval_tokens=args.retrieval_tokens, retrieval_min_ratio=args.retrieval_min_ratio,
                         progress=lambda msg: print(msg, file=sys.stderr))
-    paths = bench.write_qa_report(rows, Path(args.out), model=engine.name, ctx=args.ctx)
+    paths = bench.write_qa_report(rows, Path(args.out), model=engine.name, ctx=args.ctx,
+                                  facts_path=facts_path, filler=filler)
     print(paths["markdown"].read_text())
     for kind, p in paths.items():
         print(f"{kind}: {p}", file=sys.stderr)
@@ -933,6 +948,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "k8v8, k6v4, k4v4; writes bench-qa.md, .json, .png")
     p.add_argument("--qa-sizes", metavar="X,Y", help="with --qa: document sizes as multiples of the "
                    "context, ctx for a context-sized one read whole (default ctx,0.5,1,4,16)")
+    p.add_argument("--qa-facts", metavar="FILE", help="with --qa: another QA set (JSON as "
+                   "resources/bench/qa/facts.json; e.g. facts-heldout.json there, not tuned on)")
+    p.add_argument("--qa-filler", metavar="FILE", nargs="+", help="with --qa: the texts the facts "
+                   "are planted in, in turn (default: the set's \"filler\", else GPL-3 and Apache-2.0)")
     _add_retrieval_tokens(p)
     p.add_argument("--retrieval-min-ratio", type=float, default=0.0, metavar="R",
                    help="with --qa: leave out sections scoring under R times the best one (default 0: none)")
