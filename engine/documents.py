@@ -35,7 +35,8 @@ BINARY_PROBE_BYTES = 64 * 1024
 PAGE_BREAK = "\f"
 
 
-def _size_text(n: int) -> str:
+def size_text(n: int) -> str:
+    """A byte count as the messages say it: "200 MB", "12 KB"."""
     return f"{n / MiB:,.0f} MB" if n >= MiB else f"{n / 1024:,.0f} KB"
 
 
@@ -51,7 +52,7 @@ class DocumentFile:
 
     @property
     def size_text(self) -> str:
-        return _size_text(self.size)
+        return size_text(self.size)
 
 
 def document_text(source: str | Path | None, text: "str | DocumentFile | None", name: str | None
@@ -65,7 +66,7 @@ def document_text(source: str | Path | None, text: "str | DocumentFile | None", 
     """
     if isinstance(text, DocumentFile):
         raise DocumentError(f"{text.name} is {text.size_text}: documents sent whole can be up to "
-                            f"{_size_text(MAX_DOCUMENT_BYTES)} (a local model reads larger ones by "
+                            f"{size_text(MAX_DOCUMENT_BYTES)} (a local model reads larger ones by "
                             "retrieval)")
     if text is None:
         if source is None:
@@ -163,7 +164,7 @@ def _check_block(path: Path, block: bytes, offset: int) -> None:
     if b"\x00" in block:
         at = offset + block.index(b"\x00")
         raise DocumentError(
-            f"{path.name} has binary data (a NUL byte) after {_size_text(at)} of "
+            f"{path.name} has binary data (a NUL byte) after {size_text(at)} of "
             "text: it is not a plain-text document")
 
 
@@ -188,7 +189,7 @@ def read_document(path: str | Path) -> str:
         raise DocumentError(f"{path.name} is empty (0 bytes)")
     if size > MAX_DOCUMENT_BYTES:
         raise DocumentError(
-            f"{path.name} is {_size_text(size)}; documents up to {_size_text(MAX_DOCUMENT_BYTES)} can "
+            f"{path.name} is {size_text(size)}; documents up to {size_text(MAX_DOCUMENT_BYTES)} can "
             "be read (split it into smaller files)"
         )
     if path.suffix.lower() == ".pdf" or head.startswith(b"%PDF-"):
@@ -223,7 +224,7 @@ def _pdf_text(path: Path) -> str:
                 chars += len(text)
                 if chars > MAX_PDF_TEXT_CHARS:
                     raise DocumentError(
-                        f"{path.name} holds more than {_size_text(MAX_PDF_TEXT_CHARS)} of text; "
+                        f"{path.name} holds more than {size_text(MAX_PDF_TEXT_CHARS)} of text; "
                         "split it into smaller files")
                 pages.append(text)
     except DocumentError:
@@ -300,4 +301,5 @@ def plain_text(text: str) -> str:
     return text.replace(PAGE_BREAK, "")
 
 
-__all__ = ["read_document", "open_document", "document_source", "DocumentFile", "STREAM_BYTES", "plain_text", "DocumentError", "MAX_DOCUMENT_BYTES", "PAGE_BREAK", "join_pages"]
+__all__ = ["read_document", "open_document", "document_source", "DocumentFile", "STREAM_BYTES", "plain_text",
+           "DocumentError", "MAX_DOCUMENT_BYTES", "PAGE_BREAK", "join_pages", "size_text", "read_lines"]

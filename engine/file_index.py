@@ -38,10 +38,11 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .documents import READ_BLOCK, DocumentFile, _size_text
+from .documents import READ_BLOCK, DocumentFile, size_text
 from .errors import DocumentError
 from .retrieval import (
-    CHUNK_TOKENS, OVERLAP_TOKENS, Chunk, DocumentIndex, Unit, _pack, _pieces, index_dir, words,
+    CHUNK_TOKENS, OVERLAP_TOKENS, Chunk, DocumentIndex, Unit, index_dir, pack_texts, paragraph_pieces,
+    words,
 )
 
 log = logging.getLogger("omlx.retrieval")
@@ -122,7 +123,7 @@ def _file_units(path: Path, count: Callable[[str], int], piece_tokens: int,
 
     def units_of(para):
         lines = [(loc, text) for loc, text, _, _ in para]
-        for start, end, text, n, i0, i1, c0, c1 in _pieces(lines, count, piece_tokens):
+        for start, end, text, n, i0, i1, c0, c1 in paragraph_pieces(lines, count, piece_tokens):
             line0 = para[i0]
             lo = line0[2] + (len(line0[1][:c0].encode()) if c0 else 0)
             hi = para[i1][2] + para[i1][3] if c1 < 0 else line0[2] + len(line0[1][:c1].encode())
@@ -222,7 +223,7 @@ class FileUnits(Sequence):
         try:
             size = path.stat().st_size
             if size != self.file.size:
-                raise self._changed(f"{_size_text(self.file.size)} then, {_size_text(size)} now")
+                raise self._changed(f"{size_text(self.file.size)} then, {size_text(size)} now")
             with path.open("rb") as f:
                 f.seek(lo)
                 return f.read(hi - lo)
@@ -341,7 +342,7 @@ class FileIndex(DocumentIndex):
                         flush_units()
                     yield n, text
 
-            for chunk, texts in _pack(units(), chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens):
+            for chunk, texts in pack_texts(units(), chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens):
                 found = words(" ".join(texts)) or ["_"]  # a chunk without a word still has a row
                 postings.add(len(lengths), Counter(found))
                 lengths.append(len(found))

@@ -173,8 +173,8 @@ def _paragraphs(text: str) -> Iterator[list[tuple[int, str]]]:
         yield current
 
 
-def _pieces(lines: list[tuple[int, str]], count: Callable[[str], int], limit: int
-            ) -> Iterator[tuple[int, int, str, int, int, int, int, int]]:
+def paragraph_pieces(lines: list[tuple[int, str]], count: Callable[[str], int], limit: int
+                     ) -> Iterator[tuple[int, int, str, int, int, int, int, int]]:
     """A paragraph's lines as (start, end, text, tokens, i0, i1, c0, c1) pieces of at most
     ``limit`` tokens (one piece when the paragraph fits): the piece is lines ``i0``..``i1`` of
     the paragraph, from character ``c0`` of line i0 to character ``c1`` of line i1 (c1 = -1: to
@@ -243,7 +243,7 @@ def split_units(text: str, count: Callable[[str], int], *, piece_tokens: int,
     for number, lines in enumerate(_paragraphs(text)):
         if cancel is not None and cancel.is_set():
             raise DocumentError("reading the document was cancelled")
-        for start, end, piece, n, *_ in _pieces(lines, count, piece_tokens):
+        for start, end, piece, n, *_ in paragraph_pieces(lines, count, piece_tokens):
             units.append(Unit(start, end, number, piece, n))
         done += sum(len(line) + 1 for _, line in lines)
         if progress is not None and number % 64 == 0:
@@ -254,12 +254,12 @@ def split_units(text: str, count: Callable[[str], int], *, piece_tokens: int,
 def pack_chunks(units: Sequence[Unit], *, chunk_tokens: int, overlap_tokens: int) -> list[Chunk]:
     """Units packed in order into chunks of at most ``chunk_tokens`` (a unit is never larger
     than that), each starting with the previous chunk's trailing units up to ``overlap_tokens``."""
-    return [c for c, _ in _pack(((u.n_tokens, u.text) for u in units), chunk_tokens=chunk_tokens,
-                                overlap_tokens=overlap_tokens)]
+    return [c for c, _ in pack_texts(((u.n_tokens, u.text) for u in units), chunk_tokens=chunk_tokens,
+                                     overlap_tokens=overlap_tokens)]
 
 
-def _pack(units: Iterable[tuple[int, str]], *, chunk_tokens: int, overlap_tokens: int
-          ) -> Iterator[tuple[Chunk, list[str]]]:
+def pack_texts(units: Iterable[tuple[int, str]], *, chunk_tokens: int, overlap_tokens: int
+               ) -> Iterator[tuple[Chunk, list[str]]]:
     """:func:`pack_chunks` over (tokens, text) of the units as they come, each chunk with its
     units' texts: only the current chunk's units are held."""
     window: list[tuple[int, str]] = []  # units first.. of the chunk being filled
@@ -321,8 +321,8 @@ class DocumentIndex:
         if not units:
             raise DocumentError("the document has no text to index")
         chunks, corpus = [], []
-        for chunk, texts in _pack(((u.n_tokens, u.text) for u in units), chunk_tokens=chunk_tokens,
-                                  overlap_tokens=overlap_tokens):
+        for chunk, texts in pack_texts(((u.n_tokens, u.text) for u in units), chunk_tokens=chunk_tokens,
+                                       overlap_tokens=overlap_tokens):
             chunks.append(chunk)
             corpus.append(words(" ".join(texts)))
         # a chunk without a countable word still needs a row in the index
@@ -536,6 +536,7 @@ def render_sections(document: str, found: Sequence[Section]) -> str:
 
 
 __all__ = ["Unit", "Chunk", "Section", "Candidate", "DocumentIndex", "rank", "select", "sections",
-           "render_sections", "words", "split_units", "pack_chunks", "CHUNK_TOKENS",
+           "render_sections", "words", "split_units", "paragraph_pieces", "pack_chunks", "pack_texts",
+           "CHUNK_TOKENS",
            "OVERLAP_TOKENS", "SECTION_OVERHEAD_TOKENS", "MIN_RETRIEVAL_TOKENS", "RETRIEVAL_TOKENS",
            "check_retrieval_tokens"]
