@@ -337,7 +337,7 @@ def chinese_document(repeat: int = 2) -> tuple[str, list[dict]]:
     from engine import bench
 
     facts = bench.read_facts(bench.QA_DIR / "facts-zh.json")
-    filler = (bench.QA_DIR / "zh-filler.txt").read_text().strip().split("\n\n") * repeat
+    filler = facts["filler"][0].read_text().strip().split("\n\n") * repeat
     for depth, fact in sorted(zip(facts["depths"], facts["facts"]), key=lambda x: -x[0]):
         filler.insert(round(depth * len(filler)), fact["fact"])
     return "\n\n".join(filler), facts["facts"]
