@@ -361,6 +361,9 @@ class FileIndex(DocumentIndex):
                 "chunk_tokens": chunk_tokens, "overlap_tokens": overlap_tokens}
         (folder / "meta.json").write_text(json.dumps(meta))
 
+    def chunk_rows(self) -> np.ndarray:
+        return self.chunks.rows
+
     def save(self, path: Path) -> None:  # written where it was built (see open)
         raise NotImplementedError("a file's index is saved as it is built")
 

@@ -308,6 +308,7 @@ class DocumentIndex:
         self.bm25 = bm25
         self.path = path
         self.loaded = False  # True when it came from disk instead of being built
+        self._chunk_rows: np.ndarray | None = None  # chunk_rows(), made when first asked for
 
     @classmethod
     def build(cls, text: str, count: Callable[[str], int], *, chunk_tokens: int = CHUNK_TOKENS,
@@ -405,6 +406,13 @@ class DocumentIndex:
     def chunk_text(self, chunk: Chunk) -> str:
         return _join_units(self.units[chunk.first:chunk.last + 1])
 
+    def chunk_rows(self) -> np.ndarray:
+        """The chunks as an (n, 3) int array of first unit, last unit and tokens."""
+        if self._chunk_rows is None:
+            self._chunk_rows = np.array([(c.first, c.last, c.n_tokens) for c in self.chunks],
+                                        np.int64).reshape(-1, 3)
+        return self._chunk_rows
+
 
 def _join_units(units: Sequence[Unit]) -> str:
     parts: list[str] = []
@@ -415,7 +423,7 @@ def _join_units(units: Sequence[Unit]) -> str:
     return "".join(parts)
 
 
-@dataclass(frozen=True, slots=True)  # one per chunk per question: 173,000 for a 200 MB file
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """A chunk of one of the documents being asked about."""
 
@@ -429,18 +437,57 @@ class Candidate:
         return self.index.chunks[self.chunk].n_tokens
 
 
-def rank(question: str, documents: Iterable[tuple[str, DocumentIndex]]) -> list[Candidate]:
+class Ranking(Sequence):
+    """Candidates in order as arrays (a 200 MB file has 173,000 chunks, too many to make a
+    Candidate each per question): entry k is chunk ``chunk[k]`` of ``documents[doc[k]]`` with
+    ``score[k]``; a Candidate is made for the entries looked at."""
+
+    def __init__(self, documents: Sequence[tuple[str, DocumentIndex]], doc: np.ndarray,
+                 chunk: np.ndarray, score: np.ndarray):
+        self.documents = list(documents)
+        self.doc, self.chunk, self.score = doc, chunk, score
+
+    @classmethod
+    def of(cls, candidates: Iterable[Candidate]) -> "Ranking":
+        """Candidates given one by one, in their order."""
+        documents: list[tuple[str, DocumentIndex]] = []
+        number: dict[tuple[str, int], int] = {}
+        doc, chunk, score = [], [], []
+        for c in candidates:
+            key = (c.document, id(c.index))
+            if key not in number:
+                number[key] = len(documents)
+                documents.append((c.document, c.index))
+            doc.append(number[key])
+            chunk.append(c.chunk)
+            score.append(c.score)
+        return cls(documents, np.asarray(doc, np.int64), np.asarray(chunk, np.int64),
+                   np.asarray(score, np.float64))
+
+    def __len__(self) -> int:
+        return len(self.doc)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        name, index = self.documents[int(self.doc[i])]
+        return Candidate(name, index, int(self.chunk[i]), float(self.score[i]))
+
+
+def rank(question: str, documents: Iterable[tuple[str, DocumentIndex]]) -> Ranking:
     """Every chunk of the documents, best first: those sharing words with the question by BM25
     score (ties in document order), then the rest in document order (a question without a
     matching word, "summarize this", is shown the beginning)."""
-    matched: list[Candidate] = []
-    rest: list[Candidate] = []
-    for order, (name, index) in enumerate(documents):
-        scores = index.scores(question)
-        for i, s in enumerate(scores):
-            (matched if s > 0 else rest).append(Candidate(name, index, i, float(s)))
-    matched.sort(key=lambda c: -c.score)  # stable: ties keep document order
-    return matched + rest
+    documents = list(documents)
+    scores = [np.asarray(index.scores(question), np.float64) for _, index in documents]
+    lengths = [len(s) for s in scores]
+    doc = np.repeat(np.arange(len(documents), dtype=np.int64), lengths)
+    chunk = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths] or [np.empty(0, np.int64)])
+    score = np.concatenate(scores or [np.empty(0)])
+    matched = np.flatnonzero(score > 0)
+    # stable: ties keep document order
+    order = np.concatenate([matched[np.argsort(-score[matched], kind="stable")], np.flatnonzero(score <= 0)])
+    return Ranking(documents, doc[order], chunk[order], score[order])
 
 
 def select(candidates: Sequence[Candidate], budget_tokens: int, *, min_ratio: float = 0.0
@@ -452,35 +499,63 @@ def select(candidates: Sequence[Candidate], budget_tokens: int, *, min_ratio: fl
     not shown beside the text that does. A chunk overlapping one already chosen (the fact in a
     chunk's overlap is in both) waits until the chunks that add other text are taken; it then
     costs only its units not yet shown. A question matching nothing gets the candidates in
-    their order (the beginning of the documents)."""
-    best = max((c.score for c in candidates), default=0.0)
+    their order (the beginning of the documents).
+
+    In candidate order, each one either overlaps the units chosen so far (it waits), or is
+    taken if it fits, or is passed over: the order is walked a chosen chunk at a time, the
+    candidates up to the next one that fits judged together (arrays; a 200 MB file's 173,000)."""
+    ranking = candidates if isinstance(candidates, Ranking) else Ranking.of(candidates)
+    documents, doc, chunk, score = ranking.documents, ranking.doc, ranking.chunk, ranking.score
+    best = float(score.max()) if len(score) else 0.0
     if best > 0:
-        candidates = [c for c in candidates if c.score > 0 and c.score >= min_ratio * best]
-    chosen: list[Candidate] = []
-    shown: dict[int, set[int]] = {}  # id(index) -> the units of its chosen chunks
-    deferred: list[Candidate] = []
-    used = 0
-    for c in candidates:
-        chunk = c.index.chunks[c.chunk]
-        units = shown.setdefault(id(c.index), set())
-        if any(j in units for j in range(chunk.first, chunk.last + 1)):
-            deferred.append(c)
-            continue
-        cost = c.n_tokens + SECTION_OVERHEAD_TOKENS
-        if used + cost <= budget_tokens:
-            chosen.append(c)
-            used += cost
-            units.update(range(chunk.first, chunk.last + 1))
-    for c in deferred:
-        chunk = c.index.chunks[c.chunk]
-        units = shown[id(c.index)]
-        new = [j for j in range(chunk.first, chunk.last + 1) if j not in units]
-        cost = sum(c.index.units[j].n_tokens + 1 for j in new)
-        if new and used + cost <= budget_tokens:
-            chosen.append(c)
-            used += cost
+        keep = np.flatnonzero((score > 0) & (score >= min_ratio * best))
+        doc, chunk, score = doc[keep], chunk[keep], score[keep]
+    # per candidate: its index (documents sharing one index share its shown units), first and
+    # last unit, and cost (tokens and a label)
+    group_of: dict[int, int] = {}
+    group = np.array([group_of.setdefault(id(index), len(group_of)) for _, index in documents], np.int64)
+    tables = [index.chunk_rows() for _, index in documents]
+    rows = np.zeros((len(doc), 3), np.int64)
+    for k, table in enumerate(tables):
+        mine = doc == k
+        if mine.any():
+            rows[mine] = table[chunk[mine]]
+    first, last = rows[:, 0], rows[:, 1]
+    cost = rows[:, 2] + SECTION_OVERHEAD_TOKENS
+    group = group[doc]
+
+    chosen: list[int] = []  # positions in the candidates
+    deferred: list[int] = []
+    overlaps = np.zeros(len(doc), bool)  # sharing a unit with a chosen chunk
+    used, at = 0, 0
+    while at < len(doc):
+        fits = np.flatnonzero(~overlaps[at:] & (used + cost[at:] <= budget_tokens))
+        stop = at + int(fits[0]) if len(fits) else len(doc)
+        deferred.extend((at + np.flatnonzero(overlaps[at:stop])).tolist())
+        if not len(fits):
+            break
+        chosen.append(stop)
+        used += int(cost[stop])
+        overlaps |= (group == group[stop]) & (first <= last[stop]) & (last >= first[stop])
+        at = stop + 1
+    shown: dict[int, set[int]] = {}  # group -> the units of its chosen chunks
+    for k in chosen:
+        shown.setdefault(int(group[k]), set()).update(range(int(first[k]), int(last[k]) + 1))
+    taken = list(chosen)
+    for k in deferred:
+        units = shown[int(group[k])]
+        index = documents[int(doc[k])][1]
+        new = [j for j in range(int(first[k]), int(last[k]) + 1) if j not in units]
+        extra = sum(index.units[j].n_tokens + 1 for j in new)
+        if new and used + extra <= budget_tokens:
+            taken.append(k)
+            used += extra
             units.update(new)
-    return chosen
+    out = []
+    for k in taken:
+        name, index = documents[int(doc[k])]
+        out.append(Candidate(name, index, int(chunk[k]), float(score[k])))
+    return out
 
 
 def sections(chosen: Iterable[Candidate], count: Callable[[str], int] | None = None) -> list[Section]:
@@ -535,8 +610,7 @@ def render_sections(document: str, found: Sequence[Section]) -> str:
     return "\n\n".join(parts)
 
 
-__all__ = ["Unit", "Chunk", "Section", "Candidate", "DocumentIndex", "rank", "select", "sections",
-           "render_sections", "words", "split_units", "paragraph_pieces", "pack_chunks", "pack_texts",
-           "CHUNK_TOKENS",
-           "OVERLAP_TOKENS", "SECTION_OVERHEAD_TOKENS", "MIN_RETRIEVAL_TOKENS", "RETRIEVAL_TOKENS",
-           "check_retrieval_tokens"]
+__all__ = ["Unit", "Chunk", "Section", "Candidate", "Ranking", "DocumentIndex", "rank", "select",
+           "sections", "render_sections", "words", "split_units", "paragraph_pieces", "pack_chunks",
+           "pack_texts", "CHUNK_TOKENS", "OVERLAP_TOKENS", "SECTION_OVERHEAD_TOKENS", "MIN_RETRIEVAL_TOKENS",
+           "RETRIEVAL_TOKENS", "check_retrieval_tokens"]

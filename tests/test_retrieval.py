@@ -137,6 +137,77 @@ def test_select_takes_matching_chunks_new_text_first_and_cuts_off_weak_ones():
     assert cut and all(c.score >= 0.5 * best for c in cut) and len(cut) < len(chosen)
 
 
+def reference_rank(question, documents):
+    """rank and select as they were, a Candidate per chunk and a loop over them (the arrays'
+    results must be these)."""
+    matched, rest = [], []
+    for name, index in documents:
+        for i, s in enumerate(index.scores(question)):
+            (matched if s > 0 else rest).append(retrieval.Candidate(name, index, i, float(s)))
+    matched.sort(key=lambda c: -c.score)
+    return matched + rest
+
+
+def reference_select(candidates, budget_tokens, min_ratio=0.0):
+    best = max((c.score for c in candidates), default=0.0)
+    if best > 0:
+        candidates = [c for c in candidates if c.score > 0 and c.score >= min_ratio * best]
+    chosen, shown, deferred, used = [], {}, [], 0
+    for c in candidates:
+        chunk = c.index.chunks[c.chunk]
+        units = shown.setdefault(id(c.index), set())
+        if any(j in units for j in range(chunk.first, chunk.last + 1)):
+            deferred.append(c)
+            continue
+        cost = c.n_tokens + retrieval.SECTION_OVERHEAD_TOKENS
+        if used + cost <= budget_tokens:
+            chosen.append(c)
+            used += cost
+            units.update(range(chunk.first, chunk.last + 1))
+    for c in deferred:
+        chunk = c.index.chunks[c.chunk]
+        units = shown[id(c.index)]
+        new = [j for j in range(chunk.first, chunk.last + 1) if j not in units]
+        cost = sum(c.index.units[j].n_tokens + 1 for j in new)
+        if new and used + cost <= budget_tokens:
+            chosen.append(c)
+            used += cost
+            units.update(new)
+    return chosen
+
+
+def test_rank_and_select_by_arrays_choose_what_a_loop_over_every_chunk_did():
+    import random
+
+    rng = random.Random(7)
+    vocab = "gate code north ferry lindholm lantern cabinet bakery rye thursday station kessel".split()
+
+    def text(n_paragraphs):
+        words = vocab + ["filler"] * 12
+        return "\n\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 60)))
+                           for _ in range(n_paragraphs))
+
+    a = DocumentIndex.build(text(120), count_words, chunk_tokens=120, overlap_tokens=40)
+    b = DocumentIndex.build(text(40), count_words, chunk_tokens=80, overlap_tokens=20)
+    documents = [("a.txt", a), ("b.txt", b), ("a again.txt", a)]  # two names on one index
+    as_tuples = lambda cs: [(c.document, id(c.index), c.chunk, c.score) for c in cs]  # noqa: E731
+    checked = 0
+    for question in ["north gate code", "ferry to lindholm on thursday", "zzzz", "filler", "rye", ""]:
+        for docs in (documents[:1], documents[1:2], documents):
+            ranked = retrieval.rank(question, docs)
+            expected = reference_rank(question, docs)
+            assert as_tuples(ranked) == as_tuples(expected)
+            for budget in (0, 50, 132, 400, 700, 1500, 100_000):
+                for min_ratio in (0.0, 0.3, 0.9):
+                    got = retrieval.select(ranked, budget, min_ratio=min_ratio)
+                    want = reference_select(expected, budget, min_ratio)
+                    assert as_tuples(got) == as_tuples(want), (question, len(docs), budget, min_ratio)
+                    from_list = retrieval.select(expected, budget, min_ratio=min_ratio)  # Candidates given
+                    assert as_tuples(from_list) == as_tuples(want)
+                    checked += bool(want)
+    assert checked > 200
+
+
 # -- sessions on a tiny model -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
