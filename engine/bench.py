@@ -436,10 +436,11 @@ def write_qa_report(rows: list[QARow], out: Path, *, model: str, ctx: int,
         f"QA set {Path(facts_path).name}, planted in {', '.join(filler)}.",
         "",
         "Facts planted at spread depths; an answer counts when it contains one of the fact's "
-        "answers (normalized). Auto mode: whole when the document fits, else retrieval. The ctx row is a "
-        "context-sized document read whole: the cold read a retrieval question is compared with. "
-        "Budget: the retrieval budget in tokens (0: the room the context leaves); TTFT later: the "
-        "mean over the questions after the first; prefilled: tokens prefilled per question (prompt less cached).",
+        "answers (normalized). Auto mode: whole when the document fits, else retrieval. The ctx "
+        "row is a context-sized document read whole: the cold read a retrieval question is "
+        "compared with. Budget: the retrieval budget in tokens (0: the room the context leaves); "
+        "TTFT later: the mean over the questions after the first; prefilled: tokens prefilled "
+        "per question (prompt less cached).",
         "",
         "| KV | size | doc tokens | read | budget | correct | TTFT cold s | TTFT later s | TTFT cached s "
         "| prefilled | prompt tokens | KV MiB |",
@@ -456,8 +457,8 @@ def write_qa_report(rows: list[QARow], out: Path, *, model: str, ctx: int,
     md = out / "bench-qa.md"
     md.write_text("\n".join(lines) + "\n")
     data = out / "bench-qa.json"
-    data.write_text(json.dumps({"model": model, "ctx": ctx, "facts": Path(facts_path).name, "filler": filler,
-                                "rows": [asdict(r) for r in rows]}, indent=1))
+    data.write_text(json.dumps({"model": model, "ctx": ctx, "facts": Path(facts_path).name,
+                                "filler": filler, "rows": [asdict(r) for r in rows]}, indent=1))
     paths = {"markdown": md, "json": data}
     png = _plot_qa(rows, out / "bench-qa.png", model, ctx)
     if png is not None:
