@@ -59,8 +59,11 @@ GROUP = 16  # weight rows per repacked group (lanes of a 512-bit vector)
 # line 8 KiB ahead (4 KiB: 28-51 / 22-23; 16 KiB: 34-41 / 24). Into L2, not L1 (`prefetcht1`,
 # locality 2): on a Xeon with AVX-512 VNNI, one row over 430-650 MB of matrices (past its L3),
 # 2 threads, quiet: Q4_K 17.4 -> 18.5 GB/s, Q6_K 19.4 -> 20.2, Q4_0 19.1 -> 19.7 (`prefetchnta`:
-# 10.8; 16 or 32 KiB ahead: no better).
-PREFETCH_BYTES = 8192
+# 10.8; 16 or 32 KiB ahead: no better). With the exact kernels' hi/lo form (faster per block), 3
+# KiB ahead: Q4_K one row over 600 MB, 2 threads, helpers paused, alternating: exact 18.9 / 20.0
+# GB/s at 8 KiB -> 21.6 / 21.0 at 3 KiB, fast 21.6 -> 22.6 / 23.7 (2 and 4 KiB: 21.4 / 20.9;
+# none: 20.0); Q4_0 and Q6_K within 2%.
+PREFETCH_BYTES = 3072
 PREFETCH_LOCALITY = 2
 
 
