@@ -4,7 +4,8 @@
 per 32-value block (see docs/kernels.md); this module holds what those kernels share:
 
 * the instruction set they compile for, chosen once per process (`kernel_isa`): "avx512vnni"
-  (512-bit `vpdpwssd`), "avxvnni" (256-bit `vpdpwssd`, VEX-encoded on CPUs without AVX-512),
+  (512-bit `vpdpbusd` over the codes' hi/lo bytes, `EXACT_FORM`), "avxvnni" (256-bit, VEX-encoded
+  on CPUs without AVX-512),
   "avx2" (`vpmaddwd` + `vpaddd`, the same products without VNNI), or "float" (no integer kernels:
   today's float kernels, the reference and the fallback). OMLX_KERNELS forces one;
 * `IntIR`, the LLVM IR of a lane-wise 2-way i16 dot product accumulated into i32 lanes, and the
@@ -152,8 +153,8 @@ def describe(isa: str, fast: bool = False) -> str:
     if fast and not FAST_GAINS.get(isa, True):
         acts += "; no faster than exact without VNNI"
     return {
-        "avx512vnni": f"integer (AVX-512 VNNI {'vpdpbusd' if fast else 'vpdpwssd'}, {acts})",
-        "avxvnni": f"integer (AVX-VNNI 256-bit {'vpdpbusd' if fast else 'vpdpwssd'}, {acts})",
+        "avx512vnni": f"integer (AVX-512 VNNI vpdpbusd, {acts}{'' if fast else ' as hi/lo bytes'})",
+        "avxvnni": f"integer (AVX-VNNI 256-bit vpdpbusd, {acts}{'' if fast else ' as hi/lo bytes'})",
         "avx2": f"integer (AVX2 {'vpmaddubsw' if fast else 'vpmaddwd'}, {acts})",
         "float": "float32 (dequantize-and-FMA)",
     }[isa]
