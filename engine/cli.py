@@ -88,9 +88,19 @@ def _load_engine(args):
     _check_fit(path, args)
     engine = Engine.load(path, kv=args.kv)
     engine.speculate = getattr(args, "speculate", engine.speculate)
-    if getattr(args, "draft", None):
-        engine.set_draft(Engine.load(_resolve(args.draft), kv=args.kv))
+    _use_draft(engine, args)
     return engine
+
+
+def _use_draft(engine, args) -> None:
+    """--draft MODEL: loaded, its vocabulary checked (a SettingsError before any work), drafting
+    for `engine` instead of --speculate."""
+    from .speculate import load_draft
+
+    if getattr(args, "draft", None):
+        engine.set_draft(load_draft(engine, _resolve(args.draft)))
+        if engine.speculate != "off":
+            log.warning("--draft %s drafts; --speculate %s is not used", args.draft, engine.speculate)
 
 
 def _sampling(args) -> SamplingParams:
@@ -679,6 +689,7 @@ def cmd_serve(args) -> int:
     _check_fit(path, args)
     engine = Engine.load(path, kv=args.kv)
     engine.speculate = args.speculate  # drafts in the decode batches (serve.scheduler)
+    _use_draft(engine, args)  # a foreign vocabulary is refused before serving
     engine.disk_cache = not args.no_disk_cache  # system prompts' KV saved under the cache folder
     limits = ServeLimits(ctx=args.ctx or engine.model.context_length, max_batch=args.max_batch,
                          kv_tokens=args.kv_tokens, queue_timeout=args.queue_timeout,
@@ -708,6 +719,10 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                         "(OpenAI's; 0 = off)")
     p.add_argument("--seed", type=int, default=None)
     _add_speculate(p)
+    _add_draft(p)
+
+
+def _add_draft(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", metavar="MODEL",
                    help="draft with this small model of the same vocabulary (its own KV cache at the same "
                         "--kv) and verify in one pass, instead of --speculate; greedy output is the same")
@@ -980,6 +995,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the prefix cache in memory only: no system prompt's KV saved to or loaded from "
                         "the cache folder ($OMLX_CACHE_DIR, default the user cache folder's omlx-desktop/prefixes)")
     _add_speculate(p)
+    _add_draft(p)
     _add_kv(p, None)
     _add_force(p)
     _add_arith(p)

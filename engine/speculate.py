@@ -16,16 +16,19 @@ distribution: a drafted token d is kept with probability p(d) (the draft is dete
     agreed_tokens   how many drafted tokens the verified steps kept
     drafter_for, check_draft, draft_room   an Engine's speculation setup: the drafter of an
                     answer, the draft model's vocabulary check, the rows a verify pass may add
+    load_draft, draft_kv   a draft model loaded for an engine, its caches' KV config
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from .errors import SettingsError
 from .kv.batch import VerifyBatch
+from .kv.config import KVConfig
 from .sampling import Sampler
 
 MAX_NGRAM = 3
@@ -93,52 +96,75 @@ class PromptLookup:
         else:
             self.length = max(1, n_accepted + 1)
 
+    def close(self) -> None:
+        """Nothing to release (DraftModel's cache is)."""
+
 
 class DraftModel:
-    """Drafts with a small model of the same vocabulary (its own Engine and KV cache at its own
-    spec), greedily; the same draft-length rule as PromptLookup.
+    """Drafts with a small model of the same vocabulary (its own Engine and KV cache), greedily;
+    the same draft-length rule as PromptLookup.
 
     Its cache follows the history it is shown: before drafting, the tokens after the longest
     common prefix of what it holds and the history are trimmed off (a rejected draft) and the
-    history's new tokens are fed, so each call costs the new tokens plus one step per drafted
-    token but the last (its cache then holds history + draft[:-1]). One is made per answer
-    (`Engine.stream`): the draft model reads the whole prompt at the answer's first draft, with
-    no prefix reuse yet."""
+    history's new tokens are fed (`sync`), so each call costs the new tokens plus one step per
+    drafted token but the last (its cache then holds history + draft[:-1]). A draft ends early
+    with a token that ends the answer (`stop_ids`): nothing after it could be kept. `Engine.stream` makes
+    one per answer on a fresh cache (the draft model reads the whole prompt at the answer's first
+    draft); `omlx serve` one per sequence on a cache of the draft's own prefix cache, started on
+    its cached prefix (`held`), and drafts for a whole batch at once (serve.drafts).
 
-    def __init__(self, engine, max_draft: int = MAX_DRAFT):
+    Args:
+        cache: the draft model's cache for this sequence (a fresh `engine.new_cache()` if None).
+        held: the tokens `cache` already holds, in order.
+    """
+
+    def __init__(self, engine, max_draft: int = MAX_DRAFT, cache=None, held: Sequence[int] = ()):
         self.engine = engine
         self.max_draft = max_draft
         self.length = min(4, max_draft)
         self.drafted = self.accepted = 0
-        self.cache = engine.new_cache()
-        self._held: list[int] = []  # the tokens in self.cache, in order
+        self.cache = engine.new_cache() if cache is None else cache
+        self.held = [int(t) for t in held]  # the tokens in self.cache, in order
+        self.stop_ids = engine.tokenizer.stop_ids  # a draft ends with a token that ends the answer
 
-    def draft(self, history: Sequence[int], room: int) -> list[int]:
+    def want(self, n_history: int, room: int) -> int:
+        """Tokens the next draft after a history of n_history tokens should have: the adaptive
+        length within `room`, 0 where the draft model's context (or its cache's limit) ends."""
         k = min(self.length, room, self.max_draft)
-        if k <= 0 or not history:
-            return []
-        history = [int(t) for t in history]
-        limit = self.engine.model.context_length
-        if len(history) + k > limit:
-            return []
+        limit = min(self.engine.model.context_length, self.cache.limit or self.engine.model.context_length)
+        return 0 if k <= 0 or not n_history or n_history + k > limit else k
+
+    def sync(self, history: Sequence[int]) -> list[int]:
+        """Trim the cache back to its longest common prefix with `history` and return the history's
+        tokens it has yet to take (at least the last, fed again for its logits); the caller feeds
+        them and adds them to `held`."""
         common = 0
-        for a, b in zip(self._held, history):
-            if a != b:
+        for a, b in zip(self.held, history):
+            if a != int(b):
                 break
             common += 1
-        common = min(common, len(history) - 1)  # the last token is fed again for its logits
-        if len(self._held) > common:
-            self.cache.trim(len(self._held) - common)
-            del self._held[common:]
-        logits = self.engine.prefill(history[common:], self.cache)
-        self._held.extend(history[common:])
+        common = min(common, len(history) - 1)
+        if len(self.held) > common:
+            self.cache.trim(len(self.held) - common)
+            del self.held[common:]
+        return [int(t) for t in history[common:]]
+
+    def draft(self, history: Sequence[int], room: int) -> list[int]:
+        k = self.want(len(history), room)
+        if not k:
+            return []
+        feed = self.sync(history)
+        logits = self.engine.prefill(feed, self.cache)
+        self.held.extend(feed)
         out: list[int] = []
         for i in range(k):
             token = int(np.argmax(logits))
             out.append(token)
+            if token in self.stop_ids:
+                break
             if i < k - 1:
                 logits = self.engine.model.forward([token], self.cache, "last")[0]
-                self._held.append(token)
+                self.held.append(token)
         return out
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
@@ -162,8 +188,9 @@ def drafter_for(engine, speculate: str) -> PromptLookup | DraftModel | None:
     if speculate not in SPECULATE_MODES:
         raise SettingsError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {speculate!r}")
     max_draft = engine.exact_batch_rows() - 1
-    if engine.draft_engine is not None:
-        return DraftModel(engine.draft_engine, max_draft=max_draft)
+    draft = engine.draft_engine
+    if draft is not None:
+        return DraftModel(draft, max_draft=max_draft, cache=draft.new_cache(draft_kv(engine.kv_config, draft.model)))
     return PromptLookup(max_draft=max_draft) if speculate == "lookup" else None
 
 
@@ -173,6 +200,29 @@ def check_draft(engine, draft) -> None:
     if (engine.model.vocab_size != draft.model.vocab_size
             or engine.tokenizer._pieces != draft.tokenizer._pieces):
         raise SettingsError(f"the draft model {draft.name} does not have {engine.name}'s vocabulary")
+
+
+def draft_kv(config: KVConfig, draft_model) -> KVConfig:
+    """The KV config of a draft model's caches: the main model's, without its per-layer
+    overrides when they name layers the draft model does not have."""
+    try:
+        config.per_layer(draft_model.n_layers)
+        return config
+    except SettingsError:
+        return replace(config, overrides=())
+
+
+def load_draft(engine, path) -> object:
+    """The Engine of the draft model at `path` for `engine` (`--draft MODEL`, the app's draft
+    model), its KV at engine's spec (draft_kv).
+
+    Raises:
+        SettingsError: the vocabularies differ (check_draft); the file's own errors as Engine.load.
+    """
+    draft = type(engine).load(path)
+    check_draft(engine, draft)
+    draft.set_kv(draft_kv(engine.kv_config, draft.model))
+    return draft
 
 
 def draft_room(cache, limit: int, max_more: int) -> int:

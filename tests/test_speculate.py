@@ -160,3 +160,15 @@ def test_generate_draft_model_on_the_command_line_and_a_foreign_vocabulary_refus
                      "--draft", str(gemma3_path)])
     assert code != 0
     assert "vocabulary" in capsys.readouterr().err
+
+
+def test_a_draft_models_kv_is_the_main_models_without_overrides_past_its_layers():
+    from types import SimpleNamespace
+
+    from engine.kv.config import KVConfig
+    from engine.speculate import draft_kv
+
+    tuned = KVConfig.parse("k4v4,5:k8v8,0-1:k6v6")
+    assert draft_kv(tuned, SimpleNamespace(n_layers=6)) == tuned
+    small = draft_kv(tuned, SimpleNamespace(n_layers=2))  # no layer 5: the base spec, its options kept
+    assert small == KVConfig.parse("k4v4") and small.block_size == tuned.block_size

@@ -56,11 +56,16 @@ def write_tiny_model(
     seed: int = 0,
     skip_tensors: tuple[str, ...] = (),
     chat_template: str | None = None,
+    extra_tokens: tuple[str, ...] = (),
+    embedding_scale: float = 0.5,
 ) -> Path:
     """A random-weight model of `arch` written to `path`. Matrices in `weight_type`
-    (rows of `dim`/`ffn_dim` values must be multiples of the type's block size)."""
+    (rows of `dim`/`ffn_dim` values must be multiples of the type's block size); `extra_tokens`
+    appended to the vocabulary (another vocabulary, for the draft model's check). With the default
+    `embedding_scale` the residual stream is mostly the token's own embedding, so greedy decoding
+    mostly repeats the last token; a small one lets the layers decide."""
     rng = np.random.default_rng(seed)
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + _byte_symbols() + ["Ġt", "he", "Ġthe"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + _byte_symbols() + ["Ġt", "he", "Ġthe", *extra_tokens]
     token_types = [3, 3, 3] + [1] * (len(tokens) - 3)
     merges = ["Ġ t", "h e", "Ġt he"]
     vocab = len(tokens)
@@ -99,7 +104,7 @@ def write_tiny_model(
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     tensors: dict[str, tuple[np.ndarray, QT]] = {
-        "token_embd.weight": (mat(vocab, dim, 0.5), QT.F32),
+        "token_embd.weight": (mat(vocab, dim, embedding_scale), QT.F32),
         "output_norm.weight": (norm(dim), QT.F32),
     }
     for i in range(n_layers):

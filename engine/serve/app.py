@@ -375,6 +375,11 @@ class OpenAIServer:
         completion = sum(a["usage"]["completion_tokens"] for a in answers)
         body["usage"] = dict(body["usage"], completion_tokens=completion,
                              total_tokens=body["usage"]["prompt_tokens"] + completion)
+        details = [a["usage"].get("completion_tokens_details", {}) for a in answers]
+        if any(details):  # every choice's drafts
+            body["usage"]["completion_tokens_details"] = {
+                key: sum(d.get(key, 0) for d in details)
+                for key in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
         self.metrics.request(kind, 200)
         return JSONResponse(body)
 

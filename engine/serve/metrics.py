@@ -58,7 +58,7 @@ class Metrics:
         self.disk_cached_tokens = _Value()  # of those, read from saved prefixes on disk
         self.prefix_saves = {"written": _Value(), "failed": _Value(), "dropped": _Value()}  # PrefixSaver's
         self.generated_tokens = _Value()
-        self.drafted_tokens = _Value()  # speculative decoding: tokens drafted by prompt lookup
+        self.drafted_tokens = _Value()  # speculative decoding: tokens drafted (prompt lookup or --draft)
         self.accepted_tokens = _Value()  # of those, the ones the model agreed with (kept)
         self.queue_length = _Value()
         self.queue_timeouts = _Value()
@@ -66,6 +66,8 @@ class Metrics:
         self.kv_bytes_in_use = _Value()
         self.kv_bytes_allocated = _Value()
         self.kv_bytes_capacity = _Value()
+        self.draft_kv_bytes_in_use = _Value()  # the draft model's pools (--draft), beside the budget's
+        self.draft_kv_bytes_capacity = _Value()
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.batch_size = _Histogram(BATCH_BUCKETS)
         self.decode_seconds = _Value()
@@ -129,7 +131,8 @@ class Metrics:
                    "dropped with saves already waiting)",
                    [((("result", r),), v.value) for r, v in self.prefix_saves.items()])
             metric("omlx_generated_tokens_total", "counter", "tokens generated", [((), self.generated_tokens.value)])
-            metric("omlx_drafted_tokens_total", "counter", "tokens drafted by prompt lookup (--speculate lookup)",
+            metric("omlx_drafted_tokens_total", "counter",
+                   "tokens drafted by prompt lookup (--speculate lookup) or the draft model (--draft)",
                    [((), self.drafted_tokens.value)])
             metric("omlx_accepted_tokens_total", "counter", "drafted tokens the model agreed with (kept)",
                    [((), self.accepted_tokens.value)])
@@ -145,6 +148,11 @@ class Metrics:
             metric("omlx_kv_bytes_allocated", "gauge", "KV pool slabs allocated", [((), self.kv_bytes_allocated.value)])
             metric("omlx_kv_bytes_capacity", "gauge", "KV budget: every pool's max blocks",
                    [((), self.kv_bytes_capacity.value)])
+            metric("omlx_draft_kv_bytes_in_use", "gauge", "the draft model's KV pool rows in use (--draft)",
+                   [((), self.draft_kv_bytes_in_use.value)])
+            metric("omlx_draft_kv_bytes_capacity", "gauge",
+                   "the draft model's KV pools: the budget's blocks per layer at its geometry (--draft)",
+                   [((), self.draft_kv_bytes_capacity.value)])
             metric("omlx_decode_seconds_total", "counter", "time in decode steps", [((), self.decode_seconds.value)])
             histogram("omlx_ttft_seconds", "request arrival to first token", self.ttft)
             metric("omlx_prefill_seconds_total", "counter", "time in prefill steps", [((), self.prefill_seconds.value)])

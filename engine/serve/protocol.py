@@ -412,9 +412,15 @@ def parse_completion(body, served_ids: tuple[str, ...], vocab_size: int) -> Comp
 
 # -- answers -----------------------------------------------------------------------------------
 def openai_usage(fin) -> dict:
-    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+    """OpenAI's usage object; with drafts (--speculate lookup, --draft), the drafted tokens kept
+    and rejected as its prediction counts (`completion_tokens_details`)."""
+    usage = {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
+             "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+    if fin.drafted_tokens:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": fin.accepted_tokens,
+                                              "rejected_prediction_tokens": fin.drafted_tokens - fin.accepted_tokens}
+    return usage
 
 
 def _sse(body: dict) -> str:

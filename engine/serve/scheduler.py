@@ -22,11 +22,11 @@ One turn of the loop:
     4. one decode step for every sequence past prefill: their tokens go through the model
        together (`kv.batch.DecodeBatch`: the linear layers see one row per sequence, one pass over
        the weights for up to DECODE_GROUP sequences), each samples its next token; finished
-       sequences release their blocks. With prompt lookup (`speculate="lookup"`), the rows a
-       pass has left over (DECODE_GROUP less one per sequence) go to the sequences' drafts:
-       sequence i appends its token and its draft (`kv.batch.VerifyBatch`, every row equal to
-       a decode step alone) in the same pass (`kv.batch.SequenceBatch`), keeps the rows its
-       stream accepts and rolls the rest back
+       sequences release their blocks. With prompt lookup (`speculate="lookup"`) or a draft
+       model (`engine.draft_engine`), the rows a pass has left over (DECODE_GROUP less one per
+       sequence) go to the sequences' drafts (`drafts.Drafts`): sequence i appends its token and
+       its draft (`kv.batch.VerifyBatch`, every row equal to a decode step alone) in the same
+       pass (`kv.batch.SequenceBatch`), keeps the rows its stream accepts and rolls the rest back
 
 KV budget (`budget.KVBudget`): every pool has `max_blocks`. An admitted sequence reserves the
 blocks of its worst case, prompt + max_tokens tokens, and is admitted while the reservations fit
@@ -58,9 +58,10 @@ from ..memory import release_free_heap
 from ..prefix_store import PrefixSaver
 from ..decoding import STOP, STOP_STRING, LogitsProcessor, TokenLogprob, TokenStream
 from ..sampling import SamplingParams
-from ..speculate import SPECULATE_MODES, PromptLookup, agreed_tokens
+from ..speculate import SPECULATE_MODES, agreed_tokens
 from ..weights import blas_rows_independent, products_use_blas
 from .budget import KVBudget
+from .drafts import Drafts
 from .metrics import Metrics
 
 log = logging.getLogger("omlx.serve")
@@ -139,6 +140,8 @@ class Finished:
     text: str  # any text held back until the end (the stream decoder's and stop matcher's rest)
     ttft_s: float | None
     stop_string: str | None = None  # the stop string that ended the answer
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted for this answer
+    accepted_tokens: int = 0  # of those, the ones kept
 
 
 @dataclass
@@ -196,9 +199,9 @@ class _Sequence:
     """An admitted job's state on the engine thread."""
 
     def __init__(self, job: Job, cache, engine: Engine, reuse_tokens: int, reserved_blocks: int,
-                 drafter: PromptLookup | None = None):
+                 drafter=None):
         self.job = job
-        self.drafter = drafter  # prompt lookup's drafts for this sequence, None without speculation
+        self.drafter = drafter  # its drafts (serve.drafts: PromptLookup or DraftModel), None without
         self.cache = cache
         self.cached_tokens = reuse_tokens
         self.pending = list(job.prompt_ids[reuse_tokens:])  # prompt tokens still to prefill
@@ -227,7 +230,7 @@ class Scheduler:
         if engine.speculate not in SPECULATE_MODES:
             raise EngineError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {engine.speculate!r}")
         self.engine = engine
-        self.speculate = engine.speculate  # "lookup": drafts in the decode passes' spare rows
+        self.drafting = Drafts(engine, DECODE_GROUP, limits.prefill_chunk)  # drafts in the passes' spare rows
         self.limits = limits
         self.metrics = metrics or Metrics()
         self.budget = KVBudget(limits.kv_tokens or limits.max_batch * limits.ctx, engine.kv_config.block_size)
@@ -294,6 +297,7 @@ class Scheduler:
         if self.prefix.disk is not None and self.saver is None:
             self.saver = PrefixSaver(self.prefix.disk)
             log.info("system prompts' KV saved to and read from %s", self.prefix.disk.directory)
+        self.drafting.start(self.budget.kv_tokens)
         b = self.budget
         log.info("engine thread: batches of up to %d sequences, KV budget %d tokens per layer (%d blocks of %d)",
                  self.limits.max_batch, b.kv_tokens, b.max_blocks, b.block_size)
@@ -371,12 +375,15 @@ class Scheduler:
             self._waiting.popleft()
             self.metrics.queue_length.dec()
             cache = self.prefix.new_sequence(limit=self.limits.ctx, overflow="stop")
+            drafter = None
             try:
                 reuse = self.prefix.attach(cache, job.prompt_ids)
-                drafter = PromptLookup(max_draft=DECODE_GROUP - 1) if self.speculate == "lookup" else None
+                drafter = self.drafting.new(job.prompt_ids, self.limits.ctx)
                 seq = _Sequence(job, cache, self.engine, reuse.tokens, need, drafter)
             except Exception as exc:  # e.g. a saved prefix that cannot be read: this job only
                 cache.release()
+                if drafter is not None:
+                    drafter.close()
                 self._send(job, Failed(exc))
                 continue
             self._running.append(seq)
@@ -516,21 +523,12 @@ class Scheduler:
         return True
 
     def _drafts(self, batch: list[_Sequence]) -> list[list[int]]:
-        """Each sequence's draft for this step ([] for none). The pass's rows beyond one per
-        sequence (DECODE_GROUP in all: what the linear layers compute row-exactly) are handed out
-        in the batch's order; a full batch drafts nothing."""
-        spare = DECODE_GROUP - len(batch)
-        drafts: list[list[int]] = []
+        """Each sequence's draft for this step ([] for none): serve.drafts hands out the rows a
+        pass has beyond one per sequence (DECODE_GROUP in all), in the batch's order."""
         limit = min(self.limits.ctx, self.engine.model.context_length)
-        for seq in batch:
-            draft: list[int] = []
-            if seq.drafter is not None and spare > 0:
-                room = Engine.draft_room(seq.cache, limit, seq.stream.max_tokens - seq.stream.n_generated - 1)
-                if min(room, spare) > 0:
-                    draft = seq.drafter.draft(seq.stream.history, min(room, spare))
-            spare -= len(draft)
-            drafts.append(draft)
-        return drafts
+        rooms = [Engine.draft_room(s.cache, limit, s.stream.max_tokens - s.stream.n_generated - 1)
+                 if s.drafter is not None else 0 for s in batch]
+        return self.drafting.for_pass([s.drafter for s in batch], [s.stream.history for s in batch], rooms)
 
     def _verify_pass(self, batch: list[_Sequence], drafts: list[list[int]]) -> None:
         """One forward pass of every sequence's token and draft: (1 + len(draft_i)) rows each,
@@ -609,6 +607,8 @@ class Scheduler:
         if seq in self._running:
             self._running.remove(seq)
         seq.cache.release()
+        if seq.drafter is not None:
+            seq.drafter.close()
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         tail = seq.stream.finish(reason)
@@ -616,8 +616,10 @@ class Scheduler:
         stream = seq.stream
         ttft = None if stream.first_token_at is None else stream.first_token_at - seq.job.submitted
         self.metrics.finished(reason)
+        drafter = seq.drafter
         self._send(seq.job, Finished("stop" if reason == STOP_STRING else reason, len(seq.job.prompt_ids),
-                                     stream.n_generated, seq.cached_tokens, tail, ttft, stream.matcher.matched))
+                                     stream.n_generated, seq.cached_tokens, tail, ttft, stream.matcher.matched,
+                                     drafter.drafted if drafter else 0, drafter.accepted if drafter else 0))
 
     def _fail(self, seq: _Sequence, exc: BaseException) -> None:
         self._release(seq)
@@ -630,6 +632,7 @@ class Scheduler:
         m.kv_bytes_in_use.set(self.prefix.nbytes)
         m.kv_bytes_allocated.set(self.prefix.capacity_bytes)
         m.kv_bytes_capacity.set(self.budget.capacity_bytes(self.prefix))
+        self.drafting.gauges(m)
         if self.saver is not None:
             saves = m.prefix_saves
             saves["written"].set(self.saver.saved)
