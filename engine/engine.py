@@ -369,7 +369,8 @@ class Engine:
                 f"the prompt is {len(prompt_ids):,} tokens but the context holds {limit:,} "
                 f"({cache.offset:,} already used)"
             )
-        drafter = drafter_for(self, self.speculate if speculate is None else speculate)
+        drafter = drafter_for(self, self.speculate if speculate is None else speculate,
+                              context=getattr(cache, "token_ids", ()))  # a conversation's earlier turns
         holder: list[GenerationResult] = []
         return Generation(
             self._run(list(prompt_ids), max_tokens, sampling, stop, cache, cancel, prefill_progress, holder,

@@ -116,9 +116,12 @@ class DraftModel:
     Args:
         cache: the draft model's cache for this sequence (a fresh `engine.new_cache()` if None).
         held: the tokens `cache` already holds, in order.
+        context: the tokens before every history `draft` is shown (an answer's cache held them
+            before its prompt: a conversation's earlier turns), so that it drafts from them too.
     """
 
-    def __init__(self, engine, max_draft: int = MAX_DRAFT, cache=None, held: Sequence[int] = ()):
+    def __init__(self, engine, max_draft: int = MAX_DRAFT, cache=None, held: Sequence[int] = (),
+                 context: Sequence[int] = ()):
         self.engine = engine
         self.max_draft = max_draft
         self.length = min(4, max_draft)
@@ -126,6 +129,7 @@ class DraftModel:
         self.cache = engine.new_cache() if cache is None else cache
         self.held = [int(t) for t in held]  # the tokens in self.cache, in order
         self.stop_ids = engine.tokenizer.stop_ids  # a draft ends with a token that ends the answer
+        self.context = [int(t) for t in context]
 
     def want(self, n_history: int, room: int) -> int:
         """Tokens the next draft after a history of n_history tokens should have: the adaptive
@@ -150,6 +154,8 @@ class DraftModel:
         return [int(t) for t in history[common:]]
 
     def draft(self, history: Sequence[int], room: int) -> list[int]:
+        if self.context:
+            history = [*self.context, *history]
         k = self.want(len(history), room)
         if not k:
             return []
@@ -176,11 +182,12 @@ class DraftModel:
             release()
 
 
-def drafter_for(engine, speculate: str) -> PromptLookup | DraftModel | None:
+def drafter_for(engine, speculate: str, context: Sequence[int] = ()) -> PromptLookup | DraftModel | None:
     """The drafter of one answer of `engine`: over its draft model when it has one (`--draft`,
     whatever `speculate` says), prompt lookup for "lookup", else None. Drafts are at most
     engine.exact_batch_rows() - 1 tokens: with the token before them, the rows one verify pass
-    computes exactly as each alone.
+    computes exactly as each alone. `context`: the tokens the answer's cache holds before its
+    prompt (the draft model drafts after them too).
 
     Raises:
         SettingsError: `speculate` is not one of SPECULATE_MODES.
@@ -190,7 +197,8 @@ def drafter_for(engine, speculate: str) -> PromptLookup | DraftModel | None:
     max_draft = engine.exact_batch_rows() - 1
     draft = engine.draft_engine
     if draft is not None:
-        return DraftModel(draft, max_draft=max_draft, cache=draft.new_cache(draft_kv(engine.kv_config, draft.model)))
+        return DraftModel(draft, max_draft=max_draft, cache=draft.new_cache(draft_kv(engine.kv_config, draft.model)),
+                          context=context)
     return PromptLookup(max_draft=max_draft) if speculate == "lookup" else None
 
 

@@ -173,6 +173,15 @@ class SetSpeculate:
 
 
 @dataclass(frozen=True)
+class SetDraft:
+    """Draft the loaded model's answers, and every model's loaded after it, with the small model
+    ``spec`` (a catalog name, ``hf:`` source or .gguf path; "": no draft model). Answered by
+    ``draftApplied``; a model of another vocabulary is refused and the draft before it stays."""
+
+    spec: str
+
+
+@dataclass(frozen=True)
 class MeasureArithCost:
     """Measure what the fast arithmetic costs the loaded model: mean KL of its next-token
     distributions against exact arithmetic's (both with 16-bit KV) over ``n_tokens`` of the
@@ -281,6 +290,17 @@ class ArithApplied:
     failure when it cannot run the one asked for."""
 
     mode: str
+    failure: Failure | None = None
+
+
+@dataclass(frozen=True)
+class DraftApplied:
+    """The draft model in use after a SetDraft or a model load: its ``spec`` ("" for none) and
+    display ``name`` ("" until a model is loaded to draft for), and the failure when the one
+    asked for cannot draft (e.g. another vocabulary)."""
+
+    spec: str
+    name: str = ""
     failure: Failure | None = None
 
 

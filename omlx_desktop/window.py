@@ -8,6 +8,7 @@ controllers that give the widgets their behaviour, wired together here.
     conversations   ConversationsController the conversation list, opening one (conversations.py)
     chat            ChatController          a turn: send, stream to the Store, stop (chat.py)
     docs            DocumentsController     pinned documents (documents.py)
+    draft_menu      DraftMenu               Chat → Draft model, the draft-model picker (draft_menu.py)
 
 Threads: the window (UI thread) owns the Store and every widget; the worker owns the engine.
 Requests go to the worker as :mod:`.protocol` dataclasses through one queued signal
@@ -37,6 +38,7 @@ from .autotune import AutoTuneController
 from .chat import ChatController, Turn, stats_text
 from .conversations import ConversationsController
 from .documents import DocumentsController
+from .draft_menu import DraftMenu
 from .hub_dialog import HubDialog
 from .model_controller import ModelController, model_text
 from .protocol import Configure, Failure, SetSpeculate, Shutdown
@@ -107,6 +109,7 @@ class MainWindow(QMainWindow):
             log.exception("ignoring the saved KV settings %r", panel_state)
         self.request(Configure.from_panel(self.kv_panel.settings()))
         self.request(SetSpeculate("lookup" if self.speculate_action.isChecked() else "off"))
+        self.draft_menu.start()
         self.arith = ArithController(self)          # sends the restored choice before the model loads
         self.kv_panel.settingsChanged.connect(self.models.on_kv_settings_changed)
         self.kv_panel.importFailed.connect(
@@ -165,6 +168,7 @@ class MainWindow(QMainWindow):
         self.speculate_action = action(chat_menu, "Draft from the &context (prompt lookup)", self.set_speculate)
         self.speculate_action.setCheckable(True)
         self.speculate_action.setChecked(self.store.get_setting("speculate", "off") == "lookup")
+        self.draft_menu = DraftMenu(self, chat_menu)    # a draft model instead (draft_menu.py)
         chat_menu.addSeparator()
         action(chat_menu, "Re&name chat", self.conversations.rename_current, "F2")
         action(chat_menu, "&Delete chat", lambda: self.delete_conversation(self.conv_id))
@@ -195,6 +199,7 @@ class MainWindow(QMainWindow):
         w.documentFailed.connect(docs.on_failed)
         w.documentPinned.connect(docs.on_pinned)
         w.documentsChanged.connect(docs.on_changed)
+        w.draftApplied.connect(self.draft_menu.on_applied)
         w.error.connect(self._on_worker_error)
         self.thread.start()
 

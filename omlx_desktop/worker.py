@@ -38,9 +38,10 @@ from .protocol import (
     AddDocument, ArithApplied, Configure, ConnectRemote, DocumentFailed, Failure,
     FetchModel, FitCheck, KVApplied, ListRemoteModels, LoadModel, MeasureArithCost, MeasureKVProfile, ModelInfo,
     OpenConversation, RemoteModels, RemoveDocument, SendMessage, SetArith, SetDocMode, SetPinned,
-    SetRetrievalTokens, SetSpeculate, Shutdown, TurnFailed, TurnFinished,
+    SetDraft, SetRetrievalTokens, SetSpeculate, Shutdown, TurnFailed, TurnFinished,
 )
 from .worker_documents import DocumentRequests
+from .worker_draft import DraftRequests
 from .worker_host import failure_of, log
 from .worker_tuning import TuningRequests
 
@@ -156,6 +157,7 @@ class EngineWorker(QObject):
     arithApplied = Signal(object)               # ArithApplied
     arithCostReady = Signal(object)             # ArithCost
     arithCostFailed = Signal(object)            # Failure (kind "cancelled" when cancelled)
+    draftApplied = Signal(object)               # DraftApplied
 
     def __init__(self, kv_holder: KVHolder | None = None):
         super().__init__()
@@ -173,6 +175,7 @@ class EngineWorker(QObject):
         self.abort = threading.Event()
         self.docs = DocumentRequests(self)
         self.tuning = TuningRequests(self)      # also holds the wanted weight arithmetic
+        self.drafts = DraftRequests(self)       # the wanted draft model
         self._handlers = {
             FetchModel: self.fetch, LoadModel: self.load, Configure: self.configure,
             OpenConversation: self.open_conversation, SendMessage: self.send,
@@ -182,7 +185,7 @@ class EngineWorker(QObject):
             MeasureKVProfile: self.tuning.measure_kv_profile, SetArith: self.tuning.set_arith,
             MeasureArithCost: self.tuning.measure_arith_cost,
             ListRemoteModels: self.list_remote_models, ConnectRemote: self.connect_remote,
-            Shutdown: self.shutdown, SetSpeculate: self.set_speculate,
+            Shutdown: self.shutdown, SetSpeculate: self.set_speculate, SetDraft: self.drafts.set_draft,
         }
 
     @Slot(object)
@@ -282,6 +285,7 @@ class EngineWorker(QObject):
         if self.ctx is not None:
             self.ctx = max(64, min(self.ctx, engine.model.context_length))
         self.loaded.emit(info)
+        self.drafts.use(engine)                 # the wanted draft model, or why it cannot draft
 
     # -- remote source ----------------------------------------------------------------------
     def list_remote_models(self, request: ListRemoteModels) -> None:

@@ -48,6 +48,7 @@ class WorkerHost(Protocol):
     arithApplied: SignalInstance
     arithCostReady: SignalInstance
     arithCostFailed: SignalInstance
+    draftApplied: SignalInstance
 
     def check_conv(self, conv: int) -> None: ...
 

@@ -21,7 +21,7 @@ from omlx_desktop.window_surface import (  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[1] / "omlx_desktop"
 CONTROLLERS = ("arith", "autotune", "chat", "conversations", "documents", "model_controller",
-               "remote_dialog", "smoke")
+               "remote_dialog", "smoke", "draft_menu")
 SIBLINGS = {"models": ModelsSurface, "conversations": ConversationsSurface, "chat": ChatSurface,
             "docs": DocsSurface}
 
@@ -95,13 +95,13 @@ def test_the_window_has_the_surface_its_controllers_use(window):
 
 
 def test_the_worker_is_the_host_its_request_groups_use(qapp):
-    """worker_documents and worker_tuning touch exactly WorkerHost's members of the worker they
+    """worker_documents, worker_tuning and worker_draft touch exactly WorkerHost's members of the worker they
     are given (``self.w`` or ``w = self.w``), and a real EngineWorker has them all."""
     from omlx_desktop.worker import EngineWorker
     from omlx_desktop.worker_host import WorkerHost
 
     used = set()
-    for module in ("worker_documents", "worker_tuning"):
+    for module in ("worker_documents", "worker_tuning", "worker_draft"):
         tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
         used |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and is_window(node.value)}
     assert used == members(WorkerHost), sorted(used ^ members(WorkerHost))
