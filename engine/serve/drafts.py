@@ -112,8 +112,13 @@ class ModelDrafts:
     def new(self, prompt_ids: Sequence[int], ctx: int) -> DraftModel:
         cache = self.prefix.new_sequence(limit=min(ctx, self.engine.model.context_length), overflow="stop")
         held = 0
-        if len(prompt_ids) <= cache.limit:
-            held = self.prefix.attach(cache, prompt_ids).tokens
+        try:
+            if len(prompt_ids) <= cache.limit:
+                held = self.prefix.attach(cache, prompt_ids).tokens
+        except Exception:  # never the request's problem: the draft model reads the whole prompt
+            log.exception("draft model: attaching a cached prefix failed")
+            cache.release()
+            cache = self.prefix.new_sequence(limit=cache.limit, overflow="stop")
         return DraftModel(self.engine, max_draft=self.group - 1, cache=cache, held=prompt_ids[:held])
 
     def draft(self, drafters: list, histories: list, wants: list[int]) -> list[list[int]]:
