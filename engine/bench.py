@@ -491,8 +491,9 @@ def _plot_qa(rows: list[QARow], path: Path, model: str, ctx: int) -> Path | None
         if ref is not None:
             ax_t.axhline(ref.ttft_cold_s, color="grey", linestyle=":", label=f"{spec} ctx-sized cold read")
     ax_ok.set_xticks([i + width * (len(specs) - 1) / 2 for i in range(len(sizes))], [f"{s:g}×" for s in sizes])
-    ax_ok.set_ylim(0, 6.5)
-    ax_ok.set_ylabel("correct answers (of 6)")
+    n_questions = max((r.n_questions for r in rows), default=6)
+    ax_ok.set_ylim(0, n_questions + 0.5)
+    ax_ok.set_ylabel(f"correct answers (of {n_questions})")
     ax_ok.set_xlabel("document size / context")
     ax_ok.legend(fontsize="small")
     ax_t.set_ylabel("TTFT (s)")

@@ -426,8 +426,11 @@ def cmd_bench(args) -> int:
     from . import bench
     from .engine import Engine
 
-    if not args.qa and (args.qa_facts or args.qa_filler):
-        raise CLIError(f"{'--qa-facts' if args.qa_facts else '--qa-filler'} goes with --qa")
+    if not args.qa:
+        alone = next((flag for flag, given in (("--qa-facts", args.qa_facts), ("--qa-filler", args.qa_filler),
+                                               ("--qa-sizes", args.qa_sizes)) if given), None)
+        if alone:
+            raise CLIError(f"{alone} goes with --qa")
     path = _resolve(args.model)
     if args.qa:
         return _bench_qa(args, path)

@@ -101,6 +101,8 @@ def test_bench_qa_flags_refuse_a_missing_set_or_filler_before_loading_a_model(tm
     assert "--qa-filler: no file" in capsys.readouterr().err
     assert main(["-q", "bench", "--qa-facts", str(bad)]) == 2
     assert "--qa-facts goes with --qa" in capsys.readouterr().err
+    assert main(["-q", "bench", "--qa-sizes", "4,16"]) == 2  # was ignored: a plain bench ran instead
+    assert "--qa-sizes goes with --qa" in capsys.readouterr().err
 
 
 def test_run_qa_writes_the_table_json_and_png(tiny, tmp_path):
