@@ -341,12 +341,66 @@ def test_decode_block_passes_match_dequantize(name, geometry):
     rows = pool.ctypes.data + ids.astype(np.int64) * pool.shape[1]
     layout = decode_layout(fmt, h, t, d)
     s = np.full((h, g, len(ids) * t + 3), np.nan, np.float32)
-    _block_scores(rows, 1, len(ids), layout, t, q, s)  # blocks 1.. only, like a sliding window
+    _block_scores(rows, 1, len(ids), layout, t, q, s, 0, h)  # blocks 1.. only, like a sliding window
     np.testing.assert_allclose(s[:, :, t : len(ids) * t], s_ref[:, :, t:], rtol=1e-4, atol=2e-4)
     assert np.isnan(s[:, :, :t]).all() and np.isnan(s[:, :, len(ids) * t :]).all()
     out = np.zeros((h, g, d), np.float32)
-    _block_values(rows, 0, len(ids), layout, t, p, out)
+    _block_values(rows, 0, len(ids), layout, t, p, out, 0, h)
     np.testing.assert_allclose(out, o_ref, rtol=1e-4, atol=2e-4)
+    if h > 1:  # heads 1.. alone: the same values, head 0 untouched
+        s_part = np.full_like(s, np.nan)
+        _block_scores(rows, 1, len(ids), layout, t, q, s_part, 1, h)
+        assert np.array_equal(s_part[1:], s[1:], equal_nan=True) and np.isnan(s_part[0]).all()
+        out_part = np.zeros_like(out)
+        _block_values(rows, 0, len(ids), layout, t, p, out_part, 1, h)
+        assert np.array_equal(out_part[1:], out[1:]) and not out_part[0].any()
+
+
+@pytest.mark.parametrize("spec,n_kv_heads,group", [("full", 8, 4), ("k4v4", 3, 2), ("k6v4", 2, 5),
+                                                     ("k8v8,bs=32", 5, 1)])
+def test_a_long_sequence_step_shared_by_kv_heads_equals_the_whole_call(monkeypatch, spec, n_kv_heads, group):
+    """`DecodeKernel.attend` of a sequence past SPLIT_MIN_TOKENS shares its KV heads between the
+    weight kernels' threads (rows of consecutive heads in one pool job): bit-identical to the
+    whole call on one thread, for odd head counts, GQA groups, quantized formats, a sliding
+    window, and when the caller takes over the worker's part at once (grace 0)."""
+    from engine.kernels import kv_codes
+    from engine.kernels import pool as work_pool
+    from engine.kv.config import KVConfig
+    from engine.kv.paged import PagedKVCache
+    from engine.kv.paged_attention import DecodeKernel, PagedAttention, ReferenceAttention
+
+    config = KVConfig.parse(spec)
+    layer = PagedKVCache(config, n_layers=1, n_kv_heads=n_kv_heads, head_dim=64)[0]
+    decode = DecodeKernel(layer.pool)
+    layer.attention = PagedAttention(ReferenceAttention(), None, decode, gated=False)
+    rng = np.random.default_rng(n_kv_heads)
+    n = 300
+    q = rng.standard_normal((n + 3, n_kv_heads * group, 64)).astype(np.float32)
+    k = rng.standard_normal((n + 3, n_kv_heads, 64)).astype(np.float32)
+    for t0 in range(0, n, 100):  # stored through the reference, in three chunks
+        layer.attend(q[t0 : t0 + 100], k[t0 : t0 + 100], k[t0 : t0 + 100], scale=0.125, window=None)
+    pool = work_pool.get_pool()
+    if pool is not None and spec == "k4v4":
+        monkeypatch.setattr(pool, "grace_per_byte", 0.0)
+    split_calls = []
+    heads = kv_codes.decode_attention_heads
+    monkeypatch.setattr(decode, "threads", 2)  # the split even on a one-CPU machine (then one thread runs both)
+    for step in range(n, n + 3):
+        view = layer.stage_token(q[step : step + 1], k[step : step + 1], k[step : step + 1])
+        for window in (None, 200):
+            whole = np.empty((n_kv_heads, group, 64), np.float32)
+            first_visible = 0 if window is None else max(0, view.position - window + 1 - view.first_position)
+            heads(view.k_rows, view.v_rows, decode.k_layout, decode.v_layout, decode.block_size, view.query,
+                  np.float32(0.125), view.sink_k, view.sink_v, view.first_position, view.n_sink_old, view.tail_k,
+                  view.tail_v, view.n_recent, first_visible, view.mass, whole, 0, n_kv_heads)
+            shared = decode.attend(view, scale=0.125, window=window)
+            assert np.array_equal(shared, whole)
+            if n_kv_heads > 1:
+                split_calls.append(step)
+            parts = decode.attend_many([view, view], scale=0.125, window=window, head_parts=n_kv_heads)
+            assert np.array_equal(parts[0], whole) and np.array_equal(parts[1], whole)
+        layer.commit_token(view)
+    assert len(split_calls) == (6 if n_kv_heads > 1 else 0)
 
 
 def test_decode_batch_call_equals_each_sequence_alone_when_the_pool_steals(monkeypatch):

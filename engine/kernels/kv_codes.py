@@ -844,9 +844,9 @@ def _chunk_order(bits, chunk, d):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
-    """s[h, g, j*B + t] = q[h, g]·k (unscaled) for the tokens of blocks j0..j1-1 (see
-    `decode_attention` for the arguments)."""
+def _block_scores(k_rows, j0, j1, k_layout, B, q, s, h0, h1):
+    """s[h, g, j*B + t] = q[h, g]·k (unscaled) for the tokens of blocks j0..j1-1 and KV heads
+    h0..h1-1 (see `decode_attention` for the arguments)."""
     Hkv, G, D = q.shape
     kb, kg, kc, ks, kcb, kng, krb = k_layout
     n_sc = 1 if kb == 16 else (D if kc else B * D // kg)
@@ -870,7 +870,7 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
     if vector:
         for d in range(D):
             order[_chunk_order(kb, SCORE_CHUNK, d)] = d
-        for h in range(Hkv):
+        for h in range(h0, h1):
             for g in range(G):
                 for i in range(D):
                     q_ordered[h, g, i] = q[h, g, order[i]]
@@ -881,7 +881,7 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
         row = _row_at(k_rows[j], krb)
         if j + 1 < j1 and kb != 16:  # the next block's scales (and mins)
             _prefetch(k_rows[j + 1] + kcb, krb - kcb)
-        for h in range(Hkv):
+        for h in range(h0, h1):
             if j + 1 < j1:  # the next block's tile of this head
                 _prefetch(k_rows[j + 1] + h * tile_bytes, tile_bytes)
             if vector:
@@ -941,8 +941,8 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _block_values(v_rows, j0, j1, v_layout, B, p, out):
-    """out[h, g] += Σ p[h, g, j*B + t]·v over the tokens of blocks j0..j1-1."""
+def _block_values(v_rows, j0, j1, v_layout, B, p, out, h0, h1):
+    """out[h, g] += Σ p[h, g, j*B + t]·v over the tokens of blocks j0..j1-1, KV heads h0..h1-1."""
     Hkv, G, Dv = out.shape
     vb, vg, vc, vs, vcb, vng, vrb = v_layout
     n_sc = 1 if vb == 16 else (Dv if vc else B * Dv // vg)
@@ -957,7 +957,7 @@ def _block_values(v_rows, j0, j1, v_layout, B, p, out):
     w = np.zeros((4, B, n_grp), np.float32)  # p * scale per (query, token, group)
     z_sum = np.zeros((G, n_grp), np.float32)  # Σ_t p * offset: the same for a group's channels
     tile_bytes = B * Dv * vb // 8  # one head's codes in a block row
-    for h in range(Hkv):
+    for h in range(h0, h1):
         if vector:
             acc[:] = 0.0
             z_sum[:] = 0.0
@@ -1006,14 +1006,15 @@ def _block_values(v_rows, j0, j1, v_layout, B, p, out):
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def _softmax_and_full_precision(q, scale, sink_k, sink_v, sink0, n_sink_old, recent_k, recent_v, n_recent,
-                                first_visible, L_old, s, mass, out):
+                                first_visible, L_old, s, mass, out, h0, h1):
     """The part of `decode_attention` between the block passes: scores of the sinks and recent
     tokens, the masked softmax of s in place, the mass, and out = the sinks' and recent tokens'
-    weighted values (the sink columns of s then zeroed so the block pass skips them)."""
-    Hkv, G, D = q.shape
+    weighted values (the sink columns of s then zeroed so the block pass skips them), for KV heads
+    h0..h1-1 (the mass sums every head: h0..h1 must then be all of them)."""
+    G, D = q.shape[1], q.shape[2]
     Dv = out.shape[2]
     L = L_old + n_recent
-    for h in range(Hkv):
+    for h in range(h0, h1):
         for g in range(G):
             qg = q[h, g]
             for c in range(n_sink_old):
@@ -1027,17 +1028,17 @@ def _softmax_and_full_precision(q, scale, sink_k, sink_v, sink0, n_sink_old, rec
                 for d in range(D):
                     acc += qg[d] * rk[d]
                 s[h, g, L_old + t] = acc
-    for h in range(Hkv):  # masked softmax over the visible columns first_visible .. L-1
+    for h in range(h0, h1):  # masked softmax over the visible columns first_visible .. L-1
         for g in range(G):
             _softmax_in_place(s[h, g, first_visible:L], scale)
             for c in range(first_visible):
                 s[h, g, c] = 0.0
     if mass.shape[0]:
-        for h in range(Hkv):
+        for h in range(h0, h1):
             for g in range(G):
                 for c in range(L):
                     mass[c] += s[h, g, c]
-    for h in range(Hkv):
+    for h in range(h0, h1):
         for g in range(G):
             og = out[h, g]
             for d in range(Dv):
@@ -1081,30 +1082,44 @@ def decode_attention(k_rows, v_rows, k_layout, v_layout, B, q, scale, sink_k, si
     are decoded a (block, head) tile at a time into a float32 scratch first. The next block's
     tiles are prefetched while the current one is computed on.
     """
+    decode_attention_heads(k_rows, v_rows, k_layout, v_layout, B, q, scale, sink_k, sink_v, sink0, n_sink_old,
+                           recent_k, recent_v, n_recent, first_visible, mass, out, 0, q.shape[0])
+
+
+@njit(cache=True, nogil=True)
+def decode_attention_heads(k_rows, v_rows, k_layout, v_layout, B, q, scale, sink_k, sink_v, sink0, n_sink_old,
+                           recent_k, recent_v, n_recent, first_visible, mass, out, h0, h1):
+    """`decode_attention` for KV heads h0..h1-1 only: out[h0:h1] written, the other heads' rows
+    of out left as they were. A head's arithmetic is the same whichever range it is computed in
+    (every loop runs within one head), so two threads that take half the heads each give the
+    whole call's result bit for bit. The mass sums over all heads: with a mass, h0..h1 must be
+    0..Hkv."""
     Hkv, G, D = q.shape
     nb = k_rows.shape[0]
     s = np.empty((Hkv, G, nb * B + n_recent), np.float32)
     j0 = first_visible // B  # blocks wholly before the window are skipped
-    _block_scores(k_rows, j0, nb, k_layout, B, q, s)
+    _block_scores(k_rows, j0, nb, k_layout, B, q, s, h0, h1)
     _softmax_and_full_precision(q, scale, sink_k, sink_v, sink0, n_sink_old, recent_k, recent_v, n_recent,
-                                first_visible, nb * B, s, mass, out)
-    _block_values(v_rows, j0, nb, v_layout, B, s, out)
+                                first_visible, nb * B, s, mass, out, h0, h1)
+    _block_values(v_rows, j0, nb, v_layout, B, s, out, h0, h1)
 
 
 # -- several sequences' decode steps in one call -------------------------------------------
 # A decode batch (several sequences, one new token each, over one pool) runs `decode_attention`
 # for every sequence from one compiled call, split between threads by the weight kernels' pool
-# (`pool.run_rows`: "rows" are the sequences). Each sequence's arithmetic is exactly its
-# own call's, so its output does not depend on the batch. The pool passes arrays by address:
-#   table  (n_seqs, DECODE_FIELDS) int64, one row per sequence (the DF_* fields below; addresses
-#          of arrays the caller keeps alive for the call)
+# (`pool.run_rows`: "rows" are the sequences, or a range of one sequence's KV heads each, which
+# is how one long sequence's step is shared). Each sequence's arithmetic is exactly its own
+# call's, so its output does not depend on the batch. The pool passes arrays by address:
+#   table  (n_rows, DECODE_FIELDS) int64, one row per sequence or head range (the DF_* fields
+#          below; addresses of arrays the caller keeps alive for the call)
 #   x      n_seqs rows of T float32: row r starts with sequence r's query (Hkv, G, D), T >= H*D
 #          (the pool takes it as its (T, n_seqs) x: only the memory matters, copied whole)
 #   out    (T, n_seqs) float32: column r gets its output (Hkv, G, Dv) flattened, T >= H*Dv (the
-#          pool's layout: each worker commits a chunk of columns)
+#          pool's layout: each worker commits a chunk of columns); a row of heads h0..h1-1 writes
+#          only their part of its column
 (DF_K_ROWS, DF_V_ROWS, DF_N_BLOCKS, DF_SINK_K, DF_SINK_V, DF_SINK0, DF_N_SINK_OLD, DF_TAIL_K, DF_TAIL_V,
- DF_N_RECENT, DF_FIRST_VISIBLE, DF_HKV, DF_G, DF_D, DF_DV, DF_SINKS, DF_TAIL_ROWS, DF_B, DF_SCALE,
- DF_K_LAYOUT) = range(20)  # DF_SCALE: address of a float32 scale; the layouts: 7 fields each
+ DF_N_RECENT, DF_FIRST_VISIBLE, DF_H0, DF_H1, DF_HKV, DF_G, DF_D, DF_DV, DF_SINKS, DF_TAIL_ROWS, DF_B, DF_SCALE,
+ DF_K_LAYOUT) = range(22)  # DF_SCALE: address of a float32 scale; the layouts: 7 fields each
 DF_V_LAYOUT = DF_K_LAYOUT + 7
 DECODE_FIELDS = DF_V_LAYOUT + 7
 _i64_pointer = _pointer_from_address(types.int64, I64)
@@ -1112,9 +1127,9 @@ _i64_pointer = _pointer_from_address(types.int64, I64)
 
 @njit(nogil=True, cache=True)
 def fill_decode_row(table, i, k_rows, v_rows, sink_k, sink_v, sink0, n_sink_old, tail_k, tail_v, n_recent,
-                    first_visible):
-    """Sequence i's fields of a decode batch's table (the shared ones, DF_HKV on, are the
-    caller's); the arrays as `decode_attention` takes them."""
+                    first_visible, h0, h1):
+    """Row i of a decode batch's table: a sequence's KV heads h0..h1-1 (the shared fields, DF_HKV
+    on, are the caller's); the arrays as `decode_attention` takes them."""
     row = table[i]
     row[DF_K_ROWS] = address_of(k_rows)
     row[DF_V_ROWS] = address_of(v_rows)
@@ -1127,6 +1142,8 @@ def fill_decode_row(table, i, k_rows, v_rows, sink_k, sink_v, sink0, n_sink_old,
     row[DF_TAIL_V] = address_of(tail_v)
     row[DF_N_RECENT] = n_recent
     row[DF_FIRST_VISIBLE] = first_visible
+    row[DF_H0] = h0
+    row[DF_H1] = h1
 
 
 @njit(nogil=True, cache=True)
@@ -1147,13 +1164,15 @@ def _decode_row(row, x, col, out, out_col):
     k_layout = (row[kl], row[kl + 1], row[kl + 2], row[kl + 3], row[kl + 4], row[kl + 5], row[kl + 6])
     v_layout = (row[vl], row[vl + 1], row[vl + 2], row[vl + 3], row[vl + 4], row[vl + 5], row[vl + 6])
     q = x[col][: Hkv * G * D].reshape((Hkv, G, D))
+    h0, h1 = row[DF_H0], row[DF_H1]
     o = np.empty((Hkv, G, Dv), np.float32)
-    decode_attention(k_rows, v_rows, k_layout, v_layout, B, q, _f32_at(row[DF_SCALE], (1,))[0],
-                     _f32_at(row[DF_SINK_K], (Hkv, S, D)), _f32_at(row[DF_SINK_V], (Hkv, S, Dv)), row[DF_SINK0],
-                     row[DF_N_SINK_OLD], _f32_at(row[DF_TAIL_K], (Hkv, R, D)), _f32_at(row[DF_TAIL_V], (Hkv, R, Dv)),
-                     row[DF_N_RECENT], row[DF_FIRST_VISIBLE], np.zeros(0, np.float32), o)
-    i = 0
-    for h in range(Hkv):
+    decode_attention_heads(k_rows, v_rows, k_layout, v_layout, B, q, _f32_at(row[DF_SCALE], (1,))[0],
+                           _f32_at(row[DF_SINK_K], (Hkv, S, D)), _f32_at(row[DF_SINK_V], (Hkv, S, Dv)),
+                           row[DF_SINK0], row[DF_N_SINK_OLD], _f32_at(row[DF_TAIL_K], (Hkv, R, D)),
+                           _f32_at(row[DF_TAIL_V], (Hkv, R, Dv)), row[DF_N_RECENT], row[DF_FIRST_VISIBLE],
+                           np.zeros(0, np.float32), o, h0, h1)
+    i = h0 * G * Dv
+    for h in range(h0, h1):
         for g in range(G):
             for d in range(Dv):
                 out[i, out_col] = o[h, g, d]

@@ -46,6 +46,12 @@ KERNEL_MAX_QUERIES = 16
 # shared between threads (`PagedAttention.attend_tokens`): below it, the call's setup and the
 # hand-off to the second thread cost about what the second thread saves.
 TOGETHER_MIN_TOKENS = 1024
+# Stored tokens from which one sequence's decode step shares its KV heads between the weight
+# kernels' threads (`DecodeKernel.attend`): a long conversation or document's step is mostly
+# attention. One layer of a 1B shape (8 KV heads, 16-bit KV), one thread / two, medians of 50
+# (2026-12-04, 2-core Zen 5 EPYC): 256 tokens 62 / 64 us, 512 107 / 83, 1024 183 / 130-145,
+# 4096 512-551 / 354-430 (the two halves share the memory bandwidth: not 2x).
+SPLIT_MIN_TOKENS = 384
 # Query rows per block of a batched attention's score matrix ((Hkv, G*rows, keys) float32).
 ATTEND_ROWS = 128
 NO_MASS = np.zeros(0, np.float32)  # the decode kernel's "attention mass not tracked"
@@ -317,10 +323,18 @@ class DecodeKernel:
         self.value_dim = pool.value_dim
         self.k_layout = kv_codes.decode_layout(pool.k_format, Hkv, B, pool.head_dim)
         self.v_layout = kv_codes.decode_layout(pool.v_format, Hkv, B, pool.value_dim)
+        from ..kernels.pool import kernel_threads
+
+        self.threads = kernel_threads()  # a long sequence's heads shared between this many (`attend`)
 
     def attend(self, view: DecodeView, *, scale: float, window: int | None) -> np.ndarray:
-        """(Hkv, G, Dv) float32: the new token's attention output per query head."""
+        """(Hkv, G, Dv) float32: the new token's attention output per query head. From
+        SPLIT_MIN_TOKENS stored tokens on (and without attention-mass tracking) the KV heads are
+        shared between the weight kernels' threads, each head computed as in one call."""
         Hkv, G, _ = view.query.shape
+        if (Hkv > 1 and not view.mass.shape[0] and len(view.k_rows) * self.block_size >= SPLIT_MIN_TOKENS
+                and self.threads > 1):
+            return self.attend_many([view], scale=scale, window=window, head_parts=min(Hkv, self.threads))[0]
         first_visible = 0 if window is None else max(0, view.position - window + 1 - view.first_position)
         out = np.empty((Hkv, G, self.value_dim), np.float32)
         kv_codes.decode_attention(
@@ -329,39 +343,50 @@ class DecodeKernel:
             view.tail_k, view.tail_v, view.n_recent, first_visible, view.mass, out)
         return out
 
-    def attend_many(self, views: list[DecodeView], *, scale: float, window: int | None) -> np.ndarray:
+    def attend_many(self, views: list[DecodeView], *, scale: float, window: int | None,
+                    head_parts: int = 1) -> np.ndarray:
         """(n, Hkv, G, Dv) float32: `attend` of each view (sequences over this kernel's pool,
-        without attention-mass tracking), from one compiled call whose sequences the weight
-        kernels' thread pool shares out (`kv_codes.decode_rows_address`); each output equals
-        the view's own `attend`."""
+        without attention-mass tracking), from one compiled call whose rows the weight kernels'
+        thread pool shares out (`kv_codes.decode_rows_address`); each output equals the view's
+        own `attend`. head_parts: each sequence as that many rows of consecutive KV heads."""
         from ..kernels import pool as work_pool
 
         n = len(views)
         Hkv, G, D = views[0].query.shape
         Dv = self.value_dim
         T = Hkv * G * max(D, Dv)
-        table = np.empty((n, kv_codes.DECODE_FIELDS), np.int64)
-        x = np.zeros((n, T), np.float32)  # row i: sequence i's query (kv_codes' decode batch layout)
+        bounds = [Hkv * i // head_parts for i in range(head_parts + 1)]
+        table = np.empty((n * head_parts, kv_codes.DECODE_FIELDS), np.int64)
+        x = np.zeros((n * head_parts, T), np.float32)  # row i: its sequence's query (kv_codes' layout)
         scale_box = np.array([scale], np.float32)  # read by address: alive until the call returns
         table[:, kv_codes.DF_HKV :] = (Hkv, G, D, Dv, views[0].sink_k.shape[1], views[0].tail_k.shape[1],
                                        self.block_size, scale_box.ctypes.data, *self.k_layout, *self.v_layout)
         most_tokens = 0
         for i, view in enumerate(views):
             first_visible = 0 if window is None else max(0, view.position - window + 1 - view.first_position)
-            kv_codes.fill_decode_row(table, i, view.k_rows, view.v_rows, view.sink_k, view.sink_v,
-                                     view.first_position, view.n_sink_old, view.tail_k, view.tail_v,
-                                     view.n_recent, first_visible)
-            x[i, : Hkv * G * D] = view.query.reshape(-1)
+            for part in range(head_parts):
+                row = i * head_parts + part
+                kv_codes.fill_decode_row(table, row, view.k_rows, view.v_rows, view.sink_k, view.sink_v,
+                                         view.first_position, view.n_sink_old, view.tail_k, view.tail_v,
+                                         view.n_recent, first_visible, bounds[part], bounds[part + 1])
+                x[row, : Hkv * G * D] = view.query.reshape(-1)
             most_tokens = max(most_tokens, len(view.k_rows) * self.block_size + view.n_recent)
-        out = np.empty((T, n), np.float32)
+        n_rows = n * head_parts
+        out = np.empty((T, n_rows), np.float32)
         # the grace before the caller takes over a worker's sequence: its keys and values read as
         # if float16 (the quantized formats take longer per byte)
-        work = most_tokens * Hkv * (D + Dv) * 2
+        work = most_tokens * Hkv * (D + Dv) * 2 // head_parts
         # what the cfunc reads by address: the views' arrays, the scale, the pool's slabs
         keep = (views, scale_box, self.pool)
         work_pool.run_rows(kv_codes.decode_rows_address(), work_pool.readonly(table.view(np.uint8)),
-                              x.reshape(T, n), out, 1, work, keep)
-        return out[: Hkv * G * Dv].T.reshape(n, Hkv, G, Dv)
+                              x.reshape(T, n_rows), out, 1, work, keep)
+        if head_parts == 1:
+            return out[: Hkv * G * Dv].T.reshape(n, Hkv, G, Dv)
+        result = np.empty((n, Hkv * G * Dv), np.float32)
+        for part in range(head_parts):  # column i * head_parts + part: sequence i's heads of that part
+            a, b = bounds[part] * G * Dv, bounds[part + 1] * G * Dv
+            result[:, a:b] = out[a:b, part::head_parts].T
+        return result.reshape(n, Hkv, G, Dv)
 
 
 class PagedAttention:
