@@ -425,3 +425,18 @@ def test_decode_batch_call_equals_each_sequence_alone_when_the_pool_steals(monke
         for out in windowed:
             assert np.array_equal(out, layer.attention.decode.attend(view, scale=0.25, window=20))
         layer.commit_token(view)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_softmax_of_scores_that_are_not_numbers_raises_nothing(value):
+    """A pool worker may run a dropped (stolen) decode chunk over the pool's reused x buffer, whose
+    bytes are anything: the softmax must not raise there (it printed ZeroDivisionError as
+    "Exception ignored" from the worker thread); real scores keep their exact result."""
+    from engine.kernels.kv_codes import _softmax_in_place
+
+    x = np.full(4, value, np.float32)
+    _softmax_in_place(x, np.float32(1.0))  # no exception; the values do not matter
+    real = np.array([0.5, -1.0, 2.0], np.float32)
+    _softmax_in_place(real, np.float32(1.0))
+    want = np.exp(np.array([0.5, -1.0, 2.0]) - 2.0)
+    np.testing.assert_allclose(real, want / want.sum(), rtol=1e-6)

@@ -558,7 +558,11 @@ def _softmax_in_place(x, scale):
         e = _exp_le0(x[c] * scale - top)
         x[c] = e
         total += e
-    inv = np.float32(1.0) / total
+    # total >= 1 for real scores (the maximum's own term is exp(0)). A pool worker that runs a
+    # decode-batch chunk after the caller has stolen it and moved on reads the pool's reused x
+    # buffer (its result is dropped): NaN scores there made this a ZeroDivisionError, printed as
+    # "Exception ignored" from the worker thread
+    inv = np.float32(1.0) / total if total > 0 else np.float32(0.0)
     for c in range(x.shape[0]):
         x[c] *= inv
 
