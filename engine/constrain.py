@@ -13,6 +13,7 @@ does not allow next to -inf; the end-of-turn tokens are allowed only where the J
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -22,9 +23,12 @@ from .errors import SettingsError
 ANY_OBJECT = {"type": "object"}  # response_format json_object
 
 
+_LL_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> its llguidance one
+
+
 def _ll_tokenizer(tokenizer):
     """The llguidance tokenizer of our tokenizer (built once per tokenizer, ~0.1 s)."""
-    cached = getattr(tokenizer, "_llguidance", None)
+    cached = _LL_TOKENIZERS.get(tokenizer)
     if cached is not None:
         return cached
     import llguidance as llg
@@ -42,7 +46,7 @@ def _ll_tokenizer(tokenizer):
             return tokenizer.encode(text, add_bos=False, parse_special=False)
 
     ll = llg.LLTokenizer(llg.TokenizerWrapper(_Vocab()), eos_token=sorted(tokenizer.stop_ids))
-    tokenizer._llguidance = ll
+    _LL_TOKENIZERS[tokenizer] = ll
     return ll
 
 

@@ -206,7 +206,7 @@ def check_draft(engine, draft) -> None:
     """Raises SettingsError unless the engine `draft` may draft for `engine`: the same byte
     string for every id (the tokenizer's own table), or a drafted id would mean another token."""
     if (engine.model.vocab_size != draft.model.vocab_size
-            or engine.tokenizer._pieces != draft.tokenizer._pieces):
+            or not engine.tokenizer.same_vocabulary(draft.tokenizer)):
         raise SettingsError(f"the draft model {draft.name} does not have {engine.name}'s vocabulary")
 
 

@@ -293,6 +293,11 @@ class Tokenizer:
             pieces = _strip_first_space(pieces)
         return b"".join(pieces).decode("utf-8", errors="replace")
 
+    def same_vocabulary(self, other: "Tokenizer") -> bool:
+        """Whether every id stands for the same bytes in both (a draft model's ids then mean the
+        same tokens)."""
+        return self._pieces == other._pieces
+
     def token_bytes(self, id: int) -> bytes:
         """The raw bytes token ``id`` stands for (a lone byte for ``<0xNN>`` or a byte-level piece
         of a character; the text itself for special tokens)."""

@@ -115,7 +115,6 @@ class ModelController(QObject):
         is fetched (or ``fetch_if_missing``), else the welcome page."""
         from engine import catalog
 
-        w = self.w
         if model:
             if model in catalog.CATALOG and not catalog.is_fetched(model):
                 self.fetch(model)
