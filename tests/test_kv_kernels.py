@@ -359,7 +359,7 @@ def test_decode_block_passes_match_dequantize(name, geometry):
 @pytest.mark.parametrize("spec,n_kv_heads,group", [("full", 8, 4), ("k4v4", 3, 2), ("k6v4", 2, 5),
                                                      ("k8v8,bs=32", 5, 1)])
 def test_a_long_sequence_step_shared_by_kv_heads_equals_the_whole_call(monkeypatch, spec, n_kv_heads, group):
-    """`DecodeKernel.attend` of a sequence past SPLIT_MIN_TOKENS shares its KV heads between the
+    """`DecodeKernel.attend` of a sequence past SPLIT_MIN_HEAD_TOKENS shares its KV heads between the
     weight kernels' threads (rows of consecutive heads in one pool job): bit-identical to the
     whole call on one thread, for odd head counts, GQA groups, quantized formats, a sliding
     window, and when the caller takes over the worker's part at once (grace 0)."""
@@ -367,6 +367,7 @@ def test_a_long_sequence_step_shared_by_kv_heads_equals_the_whole_call(monkeypat
     from engine.kernels import pool as work_pool
     from engine.kv.config import KVConfig
     from engine.kv.paged import PagedKVCache
+    from engine.kv import paged_attention
     from engine.kv.paged_attention import DecodeKernel, PagedAttention, ReferenceAttention
 
     config = KVConfig.parse(spec)
@@ -385,6 +386,14 @@ def test_a_long_sequence_step_shared_by_kv_heads_equals_the_whole_call(monkeypat
     split_calls = []
     heads = kv_codes.decode_attention_heads
     monkeypatch.setattr(decode, "threads", 2)  # the split even on a one-CPU machine (then one thread runs both)
+    monkeypatch.setattr(paged_attention, "SPLIT_MIN_HEAD_TOKENS", n // 2)  # these 300 tokens too
+    attend_many = DecodeKernel.attend_many
+
+    def recorded(self, views, **kw):
+        split_calls.append(kw.get("head_parts", 1))
+        return attend_many(self, views, **kw)
+
+    monkeypatch.setattr(DecodeKernel, "attend_many", recorded)
     for step in range(n, n + 3):
         view = layer.stage_token(q[step : step + 1], k[step : step + 1], k[step : step + 1])
         for window in (None, 200):
@@ -395,12 +404,11 @@ def test_a_long_sequence_step_shared_by_kv_heads_equals_the_whole_call(monkeypat
                   view.tail_v, view.n_recent, first_visible, view.mass, whole, 0, n_kv_heads)
             shared = decode.attend(view, scale=0.125, window=window)
             assert np.array_equal(shared, whole)
-            if n_kv_heads > 1:
-                split_calls.append(step)
             parts = decode.attend_many([view, view], scale=0.125, window=window, head_parts=n_kv_heads)
             assert np.array_equal(parts[0], whole) and np.array_equal(parts[1], whole)
         layer.commit_token(view)
-    assert len(split_calls) == (6 if n_kv_heads > 1 else 0)
+    # each step: attend's own call (split in 2 where there are 2 heads or more), then the explicit one
+    assert split_calls == ([2, n_kv_heads] * 6 if n_kv_heads > 1 else [1] * 6)
 
 
 def test_decode_batch_call_equals_each_sequence_alone_when_the_pool_steals(monkeypatch):

@@ -46,12 +46,14 @@ KERNEL_MAX_QUERIES = 16
 # shared between threads (`PagedAttention.attend_tokens`): below it, the call's setup and the
 # hand-off to the second thread cost about what the second thread saves.
 TOGETHER_MIN_TOKENS = 1024
-# Stored tokens from which one sequence's decode step shares its KV heads between the weight
-# kernels' threads (`DecodeKernel.attend`): a long conversation or document's step is mostly
-# attention. One layer of a 1B shape (8 KV heads, 16-bit KV), one thread / two, medians of 50
-# (2026-12-04, 2-core Zen 5 EPYC): 256 tokens 62 / 64 us, 512 107 / 83, 1024 183 / 130-145,
-# 4096 512-551 / 354-430 (the two halves share the memory bandwidth: not 2x).
-SPLIT_MIN_TOKENS = 384
+# One sequence's decode step shares its KV heads between the weight kernels' threads
+# (`DecodeKernel.attend`) when the smallest share, stored tokens x its heads, is at least this:
+# a long conversation or document's step is mostly attention. One layer, one thread / two,
+# medians of 50 (2026-12-04, 2-core Zen 5 EPYC): a 1B shape (8 KV heads in halves of 4, 16-bit
+# KV) 256 tokens 62 / 64 us, 512 107 / 83, 1024 183 / 130-145, 4096 512-551 / 354-430 (the
+# halves share the memory bandwidth: not 2x); SmolLM2 (3 KV heads: shares of 1 and 2, K6V4)
+# 512 50 / 68-71, 1024 75-78 / 90-92, 2048 173-174 / 148-149.
+SPLIT_MIN_HEAD_TOKENS = 1536
 # Query rows per block of a batched attention's score matrix ((Hkv, G*rows, keys) float32).
 ATTEND_ROWS = 128
 NO_MASS = np.zeros(0, np.float32)  # the decode kernel's "attention mass not tracked"
@@ -329,12 +331,13 @@ class DecodeKernel:
 
     def attend(self, view: DecodeView, *, scale: float, window: int | None) -> np.ndarray:
         """(Hkv, G, Dv) float32: the new token's attention output per query head. From
-        SPLIT_MIN_TOKENS stored tokens on (and without attention-mass tracking) the KV heads are
+        SPLIT_MIN_HEAD_TOKENS on (and without attention-mass tracking) the KV heads are
         shared between the weight kernels' threads, each head computed as in one call."""
         Hkv, G, _ = view.query.shape
-        if (Hkv > 1 and not view.mass.shape[0] and len(view.k_rows) * self.block_size >= SPLIT_MIN_TOKENS
-                and self.threads > 1):
-            return self.attend_many([view], scale=scale, window=window, head_parts=min(Hkv, self.threads))[0]
+        parts = min(Hkv, self.threads)
+        if (parts > 1 and not view.mass.shape[0]
+                and len(view.k_rows) * self.block_size * (Hkv // parts) >= SPLIT_MIN_HEAD_TOKENS):
+            return self.attend_many([view], scale=scale, window=window, head_parts=parts)[0]
         first_visible = 0 if window is None else max(0, view.position - window + 1 - view.first_position)
         out = np.empty((Hkv, G, self.value_dim), np.float32)
         kv_codes.decode_attention(
