@@ -150,15 +150,20 @@ def test_compiled_rms_norm_is_the_numpy_expression_bit_for_bit(dim):
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 48, 256])
 def test_rope_of_one_token_is_the_numpy_rotation_bit_for_bit(neox, head_dim):
-    """Decode rotates its single token in one compiled call; it must equal the batched numpy
-    rotation exactly, or decode would drift from prefill."""
-    from engine.kernels.norms import apply_rope
+    """Decode (and up to ROPE_ROWS_COMPILED rows: a decode batch, a verify pass) rotates each
+    token in one compiled call; it must equal the batched numpy rotation exactly, or decode
+    would drift from prefill."""
+    from engine.kernels.norms import ROPE_ROWS_COMPILED, apply_rope
     from engine.models.base import rope_tables
 
     rng = np.random.default_rng(2)
-    x = (rng.standard_normal((1, 9, head_dim)) * 4).astype(np.float32)
-    cos, sin = rope_tables(np.array([4321]), head_dim, 10000.0)
-    fast = apply_rope(x, cos, sin, neox)
-    two = apply_rope(np.concatenate([x, x]), np.concatenate([cos, cos]), np.concatenate([sin, sin]), neox)
-    np.testing.assert_array_equal(fast[0], two[0])  # two rows take the numpy path
-    assert not np.array_equal(fast, x)
+    n = ROPE_ROWS_COMPILED + 1  # the numpy path
+    x = (rng.standard_normal((n, 9, head_dim)) * 4).astype(np.float32)
+    cos, sin = rope_tables(np.arange(4321, 4321 + n), head_dim, 10000.0)
+    by_numpy = apply_rope(x, cos, sin, neox)
+    for rows in (1, 3, ROPE_ROWS_COMPILED):
+        few = apply_rope(x[:rows], cos[:rows], sin[:rows], neox)
+        np.testing.assert_array_equal(few, by_numpy[:rows])
+    strided = x[:, :, :].transpose(1, 0, 2).copy().transpose(1, 0, 2)[:2]  # not C-contiguous
+    np.testing.assert_array_equal(apply_rope(strided, cos[:2], sin[:2], neox), by_numpy[:2])
+    assert not np.array_equal(by_numpy, x)
