@@ -44,8 +44,11 @@ if HAVE_NUMBA:
 KERNEL_MAX_QUERIES = 16
 # Stored tokens summed over a decode batch's sequences from which their attention is one call
 # shared between threads (`PagedAttention.attend_tokens`): below it, the call's setup and the
-# hand-off to the second thread cost about what the second thread saves.
-TOGETHER_MIN_TOKENS = 1024
+# hand-off to the second thread cost about what the second thread saves. SmolLM2's layer 0, 4
+# sequences, 16-bit KV, medians of 200, each alone / one call (2026-12-04, Zen 5): 64 tokens each
+# 51 / 45-47 us, 96 48 / 37, 250 115 / 82, 500 148 / 90 (1,024 was measured on a Xeon, where 100
+# tokens each gave 66 / 76).
+TOGETHER_MIN_TOKENS = 256
 # One sequence's decode step shares its KV heads between the weight kernels' threads
 # (`DecodeKernel.attend`) when the smallest share, stored tokens x its heads, is at least this:
 # a long conversation or document's step is mostly attention. One layer, one thread / two,
