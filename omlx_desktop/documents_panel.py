@@ -243,6 +243,12 @@ class DocumentsPanel(QWidget):
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QFrame.Shape.NoFrame)
         scroll.setWidget(self._list)
+        # room for one document's row under the three rows of controls: the splitter's pane
+        # cannot squeeze the list away (it showed a sliver of the row under "Sections per answer")
+        sample = DocumentRow("", "sample.txt")
+        self.row_height = sample.sizeHint().height()
+        sample.deleteLater()
+        scroll.setMinimumHeight(self.row_height)
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 6, 6, 6)

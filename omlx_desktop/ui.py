@@ -138,7 +138,6 @@ def setup_widgets(w: QMainWindow) -> None:
                               + kv_scroll.verticalScrollBar().sizeHint().width() + 4)
     kv_scroll.setMinimumHeight(120)
     w.documents = DocumentsPanel()
-    w.documents.setMinimumHeight(100)
     w.chart = MemoryChart(kv_source=w.kv_holder.read, kv_axis=True, fit_time=True)
     w.chart.setMinimumHeight(190)
     w.kv_remote_note = QLabel(
@@ -156,7 +155,9 @@ def setup_widgets(w: QMainWindow) -> None:
             bl.addWidget(w.kv_remote_note)
         bl.addWidget(widget)
         w.right.addWidget(box)
-    w.right.setSizes([w.kv_panel.sizeHint().height() + 46, 130, 400])
+    # the documents' pane: its controls and two documents' rows
+    docs_height = w.documents.minimumSizeHint().height() + w.documents.row_height + 30
+    w.right.setSizes([w.kv_panel.sizeHint().height() + 46, docs_height, 400])
     w.right.setStretchFactor(0, 0)
     w.right.setStretchFactor(1, 0)
     w.right.setStretchFactor(2, 1)

@@ -136,6 +136,26 @@ def test_in_a_narrow_window_the_model_header_keeps_the_columns_width(window):
         pump(0.1)
 
 
+def test_the_documents_pane_shows_a_whole_document_row(window):
+    """Under its three rows of controls the pinned documents' list keeps room for a document's
+    whole row (it was squeezed to a sliver of one under "Sections per answer"), at the window's
+    default size and at its narrowest."""
+    from PySide6.QtWidgets import QScrollArea
+
+    docs = window.documents
+    scroll = docs.findChild(QScrollArea)
+    assert docs.row_height >= 2 * docs.fontMetrics().lineSpacing()  # a row: name and details
+    assert scroll.height() >= docs.row_height, (scroll.height(), docs.row_height)
+    size = window.size()
+    try:
+        window.resize(900, 700)
+        pump(0.3)
+        assert scroll.height() >= docs.row_height
+    finally:
+        window.resize(size)
+        pump(0.1)
+
+
 def test_send_streams_the_answer_and_persists_it(window):
     answer = ask(window, "What is the capital of France?")
     assert answer["state"] == "complete" and answer["text"].strip()
