@@ -16,10 +16,14 @@ projection) and the rest (attention, norms, sampling), and the average CPU use o
 during the run is printed (this machine is shared; their load changes the figures a lot).
 
 --kernels instead times the quantized-weight kernels per GGUF type on one (rows, 4096) matrix of
-about `mib` MiB of blocks each (random codes, scales ~0.01): the fused matvec (one row of x) on the
-calling thread alone and shared with the pool (OMLX_KERNEL_THREADS threads), as GB/s of blocks
-read, and the prefill tile dequantizer (one thread) as G values/s; types interleaved per round,
-medians over rounds.
+about `mib` MiB of blocks each (random codes, scales ~0.01): one row of x through
+`engine.weights.QuantLinear`, the call a model's decode step makes (the integer kernels,
+`engine.kernels.int_matvec.IntMatvec`, where this CPU and the type have them, the "kernels"
+column says int; else the float ones, `quant_matvec.Matvec`), in a process on one kernel thread
+(OMLX_KERNEL_THREADS=1) and in one sharing the rows with the pool (OMLX_KERNEL_THREADS, default
+the CPUs), as GB/s of blocks read; and the prefill tile dequantizer over GGUF-order blocks
+(`quant_matvec.dequantize_rows`, one thread) as G values/s. Types interleaved per round, medians
+over rounds.
 
 --products instead times the two layouts of the prefill product of one float32 tile W (out, in)
 with x (rows, in) (`engine.weights._product`): y = x @ W.T (direct) and y = (W @ x.T).T
@@ -60,9 +64,9 @@ def worker(model: str, context: int, n_decode: int) -> dict:
     linear_s = [0.0]  # time spent in the linear layers (both backends), to split decode time
 
     def timed(call):
-        def wrapper(self, x):
+        def wrapper(self, x, *rest):  # QuantLinear's xw: x's quantized activations
             t0 = time.perf_counter()
-            y = call(self, x)
+            y = call(self, x, *rest)
             linear_s[0] += time.perf_counter() - t0
             return y
         return wrapper
@@ -127,17 +131,24 @@ KERNEL_TYPES = {
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
     "IQ4_NL": (0,), "IQ4_XS": (0,),
 }
+KERNEL_COLS, KERNEL_TILE_ROWS = 4096, 256
 
 
-def kernel_table(mib: int, rounds: int) -> None:
+def kernel_worker(mib: int, rounds: int) -> dict:
+    """The --kernels figures of this process (its OMLX_KERNEL_THREADS): per type, the seconds of
+    one row of x through QuantLinear (the model's call: the integer kernels where this CPU and the
+    type have them, else the float ones) and of dequantizing the matrix in tiles, every round."""
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.constants import GGMLQuantizationType as QT
 
+    from engine.kernels import int_dot
     from engine.kernels import quant_matvec as qm
     from engine.kernels.pool import kernel_threads
+    from engine.weights import QuantLinear
 
-    cols, tile_rows = 4096, 256
+    cols, tile_rows = KERNEL_COLS, KERNEL_TILE_ROWS
     rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
     cases = {}
     for name, scale_offsets in KERNEL_TYPES.items():
         qtype = QT[name]
@@ -150,35 +161,56 @@ def kernel_table(mib: int, rounds: int) -> None:
         blocks = raw.reshape(rows, -1, size)
         for off in scale_offsets:
             blocks[..., off : off + 2] = np.array([0.01], np.float16).view(np.uint8)
-        qm.warm_up([qtype])
-        mv = qm.Matvec(qtype, raw, cols)
-        cases[name] = (qtype, raw, mv)
-    x = rng.standard_normal((1, cols)).astype(np.float32)
+        linear = QuantLinear(raw, qtype, rows, cols)  # the integer kernels repack a copy
+        linear(x)  # compiled or loaded from numba's cache, and the pool started, before timing
+        qm.dequantize_rows(qtype, raw, np.arange(tile_rows), np.empty((tile_rows, cols), np.float32))
+        cases[name] = (qtype, raw, linear)
     tile = np.empty((tile_rows, cols), np.float32)
-    times: dict[str, dict[str, list[float]]] = {n: {"one": [], "pool": [], "tile": []} for n in cases}
+    ids = np.arange(tile_rows)
+    times = {name: {"matvec": [], "tile": []} for name in cases}
     for _ in range(rounds):
-        for name, (qtype, raw, mv) in cases.items():
-            out = np.empty((1, raw.shape[0]), np.float32)
+        for name, (qtype, raw, linear) in cases.items():
             t0 = time.perf_counter()
-            mv.rows_fn(mv.raw, x, out, 0, mv.n_rows, 0)
-            times[name]["one"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            mv(x, out)
-            times[name]["pool"].append(time.perf_counter() - t0)
-            ids = np.arange(tile_rows)
+            linear(x)
+            times[name]["matvec"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             for start in range(0, raw.shape[0] - tile_rows + 1, tile_rows):
                 qm.dequantize_rows(qtype, raw, ids + start, tile)
             times[name]["tile"].append(time.perf_counter() - t0)
-    print(f"fused kernels, (rows, {cols}) matrices of ~{mib} MiB of blocks, median of {rounds} rounds, "
-          f"{kernel_threads()} kernel threads")
-    print(f"{'type':7s} {'B/value':>7s} {'matvec 1 thread GB/s':>20s} {'matvec pool GB/s':>16s} "
+    return {"threads": kernel_threads(), "kernels": int_dot.describe(int_dot.kernel_isa()),
+            "types": {name: {"arith": linear.arith, "bytes": raw.nbytes, "rows": raw.shape[0], **times[name]}
+                      for name, (_, raw, linear) in cases.items()}}
+
+
+def run_kernel_worker(mib: int, rounds: int, threads: int | None) -> dict:
+    """kernel_worker in a fresh process with OMLX_KERNEL_THREADS=threads (None: as this one has
+    it): the matvec thread pool is made once per process with its thread count."""
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMLX_KERNEL_THREADS"] = str(threads)
+    out = subprocess.run([sys.executable, __file__, "--kernel-worker", "--mib", str(mib), "--rounds", str(rounds)],
+                         env=env, cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"the --kernels worker failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def kernel_table(mib: int, rounds: int) -> None:
+    """Prints the --kernels table: one process on one kernel thread, then one with the pool."""
+    one = run_kernel_worker(mib, rounds, 1)
+    pool = run_kernel_worker(mib, rounds, None)
+    cols, tile_rows = KERNEL_COLS, KERNEL_TILE_ROWS
+    print(f"QuantLinear, one row of x, (rows, {cols}) matrices of ~{mib} MiB of blocks, median of {rounds} "
+          f"rounds; {pool['threads']} kernel threads in the pool; {pool['kernels']} where the type has them")
+    print(f"{'type':7s} {'kernels':7s} {'B/value':>7s} {'matvec 1 thread GB/s':>20s} {'matvec pool GB/s':>16s} "
           f"{'tile dequantize Gvalues/s':>25s}")
-    for name, (qtype, raw, mv) in cases.items():
-        med = {k: float(np.median(v)) for k, v in times[name].items()}
-        n_tiled = raw.shape[0] // tile_rows * tile_rows
-        print(f"{name:7s} {raw.shape[1] / cols:7.4f} {raw.nbytes / med['one'] / 1e9:20.2f} "
-              f"{raw.nbytes / med['pool'] / 1e9:16.2f} {n_tiled * cols / med['tile'] / 1e9:25.2f}", flush=True)
+    for name, p in pool["types"].items():
+        o = one["types"][name]
+        n_tiled = p["rows"] // tile_rows * tile_rows
+        print(f"{name:7s} {p['arith']:7s} {p['bytes'] / p['rows'] / cols:7.4f} "
+              f"{o['bytes'] / float(np.median(o['matvec'])) / 1e9:20.2f} "
+              f"{p['bytes'] / float(np.median(p['matvec'])) / 1e9:16.2f} "
+              f"{n_tiled * cols / float(np.median(p['tile'])) / 1e9:25.2f}", flush=True)
 
 
 # (out, in) of the matrices: SmolLM2 135M (K/V, Q/O, gate/up, down), Gemma3 270M (K/V, Q, O,
@@ -238,7 +270,12 @@ def main() -> None:
     parser.add_argument("--products", action="store_true",
                         help="time the two layouts of the prefill product per matrix shape instead")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--kernel-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+
+    if args.kernel_worker:
+        print(json.dumps(kernel_worker(args.mib, args.rounds)))
+        return
 
     if args.kernels:
         kernel_table(args.mib, args.rounds)

@@ -1,0 +1,50 @@
+"""The benchmark scripts still run against today's engine API: each at a tiny size, one round, as
+a process the way it is run (`python benchmarks/NAME.py ...`). What they print is checked for
+shape only (a row per case, finite positive figures); their figures are docs/performance.md's,
+never asserted here."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .serve_process import ROOT
+
+pytestmark = pytest.mark.slow  # processes that load the kernels (and a real model)
+
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def bench(script: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_bench_weights_kernels_times_every_type_through_quantlinear(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports bench_common from its folder
+    import bench_weights
+
+    out = bench("bench_weights.py", "--kernels", "--mib", "2", "--rounds", "1")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:] if line.strip()}
+    assert set(rows) == set(bench_weights.KERNEL_TYPES), out
+    for name, cells in rows.items():
+        kernels, figures = cells[0], [float(c) for c in cells[1:]]
+        assert kernels in ("int", "float") and len(figures) == 4, (name, cells)
+        assert all(math.isfinite(f) and f > 0 for f in figures), (name, cells)
+
+
+def test_bench_weights_default_mode_runs_both_backends(smollm2_path):
+    out = bench("bench_weights.py", "--models", "smollm2-135m-instruct", "--rounds", "1", "--context", "16",
+                "--decode", "2")
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in out.splitlines()
+            if line.startswith("smollm2-135m-instruct ")}
+    for backend in ("dense", "quant"):
+        figures = [float(c) for c in rows[("smollm2-135m-instruct", backend)]]
+        assert len(figures) == 5 and all(f > 0 for f in figures), (backend, out)
+    assert ("smollm2-135m-instruct", "quant/dense:") in rows, out
