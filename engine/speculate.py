@@ -21,7 +21,7 @@ distribution: a drafted token d is kept with probability p(d) (the draft is dete
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -44,12 +44,17 @@ class PromptLookup:
     accepted length + 1 after a rejection, so text unlike anything before costs little. An index
     maps every n-gram (MIN_NGRAM <= n <= MAX_NGRAM) of the history to where its latest earlier
     occurrence ended; it grows by the tokens added since the last call (the history only grows
-    between calls; a shorter or changed one is indexed afresh)."""
+    between calls; a shorter or changed one is indexed afresh).
 
-    def __init__(self, max_draft: int = MAX_DRAFT, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
+    A draft ends with a token that ends the answer (`stop_ids`, as DraftModel's): the tokens that
+    followed it in the history (the next turn of an earlier exchange) could never be kept."""
+
+    def __init__(self, max_draft: int = MAX_DRAFT, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM,
+                 stop_ids: Iterable[int] = ()):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"n-gram sizes {min_ngram}..{max_ngram}")
         self.max_draft = max_draft
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.length = min(4, max_draft)
         self.drafted = self.accepted = 0  # totals, for the stats
@@ -75,7 +80,8 @@ class PromptLookup:
 
     def draft(self, history: Sequence[int], room: int) -> list[int]:
         """Up to min(length, room) tokens that followed the latest earlier occurrence of the
-        history's longest matching tail, or [] when none occurred before."""
+        history's longest matching tail, up to and including the first stop token among them,
+        or [] when none occurred before."""
         k = min(self.length, room, self.max_draft)
         if k <= 0 or len(history) < self.min_ngram + 1:
             return []
@@ -84,7 +90,11 @@ class PromptLookup:
         for n in range(min(self.max_ngram, len(seen) - 1), self.min_ngram - 1, -1):
             at = self._index.get(tuple(seen[-n:]))
             if at is not None:
-                return seen[at : at + k]
+                draft = seen[at : at + k]
+                for i, token in enumerate(draft):
+                    if token in self.stop_ids:
+                        return draft[: i + 1]
+                return draft
         return []
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
@@ -199,7 +209,9 @@ def drafter_for(engine, speculate: str, context: Sequence[int] = ()) -> PromptLo
     if draft is not None:
         return DraftModel(draft, max_draft=max_draft, cache=draft.new_cache(draft_kv(engine.kv_config, draft.model)),
                           context=context)
-    return PromptLookup(max_draft=max_draft) if speculate == "lookup" else None
+    if speculate == "lookup":
+        return PromptLookup(max_draft=max_draft, stop_ids=engine.tokenizer.stop_ids)
+    return None
 
 
 def check_draft(engine, draft) -> None:

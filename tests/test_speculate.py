@@ -43,6 +43,16 @@ def test_the_index_grows_with_the_history_and_the_length_adapts():
     assert (lookup.drafted, lookup.accepted) == (9, 5)
 
 
+def test_a_draft_ends_with_a_stop_token():
+    """What followed a stop token in the history (the next turn of an earlier exchange) is never
+    drafted: the answer ends at the stop token, so nothing after it could be kept."""
+    history = [1, 2, 3, 0, 7, 8, 9, 1, 2, 3]
+    assert PromptLookup(max_draft=6).draft(history, room=10) == [0, 7, 8, 9]
+    assert PromptLookup(max_draft=6, stop_ids={0}).draft(history, room=10) == [0]
+    assert PromptLookup(max_draft=6, stop_ids={8}).draft(history, room=10) == [0, 7, 8]
+    assert PromptLookup(max_draft=6, stop_ids={0}).draft(history, room=0) == []
+
+
 # -- the acceptance rule -------------------------------------------------------------------------
 def _accept(sampler, rows, draft):
     """accept_draft's tokens for a caller that keeps the history as TokenStream does."""
@@ -129,6 +139,28 @@ def test_generate_json_reports_drafted_and_accepted_tokens(capsys, smollm2_path)
     code = cli.main(["-q", "generate", str(smollm2_path), "--prompt", REPEATING, "--max-tokens", "16", "--json"])
     plain = json.loads(capsys.readouterr().out)
     assert plain["ids"] == out["ids"] and plain["stats"]["drafted_tokens"] == 0
+
+
+def test_lookup_drafts_stop_at_the_end_of_an_earlier_answer_and_the_tokens_are_the_same(smollm2_path):
+    """A question asked again after its answer: prompt lookup drafts the earlier answer, which ends
+    with <|im_end|> followed by the next turn's tokens. The draft stops at <|im_end|>, so every
+    drafted token is accepted (none counted rejected after the answer's end), and the answer is
+    the one decoding without speculation gives. The server's lookup drafters stop there too."""
+    from engine.serve.drafts import Drafts
+
+    engine = Engine.load(smollm2_path, kv="full")
+    question = [{"role": "user", "content": "Say the word blue."}]
+    first = engine.generate(engine.encode_chat(question), max_tokens=20, speculate="off")
+    assert first.finish_reason == "stop"
+    ids = engine.encode_chat(question + [{"role": "assistant", "content": first.text}] + question)
+    plain = engine.generate(ids, max_tokens=20, speculate="off")
+    spec = engine.generate(ids, max_tokens=20, speculate="lookup")
+    assert spec.ids == plain.ids and spec.text == plain.text and spec.finish_reason == plain.finish_reason == "stop"
+    assert spec.stats.drafted_tokens > 0 and spec.stats.accepted_tokens == spec.stats.drafted_tokens
+
+    engine.speculate = "lookup"
+    served = Drafts(engine, group=8, prefill_chunk=64).new(ids, ctx=512)
+    assert isinstance(served, PromptLookup) and served.stop_ids == engine.tokenizer.stop_ids
 
 
 def test_smollm2_drafting_for_itself_accepts_every_greedy_token(smollm2_path):

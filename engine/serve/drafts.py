@@ -53,6 +53,7 @@ class Drafts:
         self.group = group
         self.model = ModelDrafts(engine, group, prefill_chunk) if engine.draft_engine is not None else None
         self.lookup = self.model is None and engine.speculate == "lookup"
+        self.stop_ids = engine.tokenizer.stop_ids  # a lookup draft ends with a token that ends the answer
 
     def start(self, kv_tokens: int) -> None:
         """On the engine thread, before the first sequence: the draft model's pools."""
@@ -63,7 +64,7 @@ class Drafts:
         """The drafter of a sequence admitted with `prompt_ids` (None without speculation)."""
         if self.model is not None:
             return self.model.new(prompt_ids, ctx)
-        return PromptLookup(max_draft=self.group - 1) if self.lookup else None
+        return PromptLookup(max_draft=self.group - 1, stop_ids=self.stop_ids) if self.lookup else None
 
     def for_pass(self, drafters: list, histories: list, rooms: list[int]) -> list[list[int]]:
         """Each sequence's draft for this pass ([] for none): sequence i's at most rooms[i] tokens
