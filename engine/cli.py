@@ -73,9 +73,16 @@ def _fit_ctx(args) -> int | None:
     return None
 
 
+def _draft_path(args) -> Path | None:
+    """--draft MODEL's file, where the command has it and it is given."""
+    return _resolve(args.draft) if getattr(args, "draft", None) else None
+
+
 def _check_fit(path: Path, args, kv=None) -> None:
-    """Refuse (DoesNotFit) a model whose estimated memory exceeds what is available, unless --force."""
-    est = fit.check_fits(path, _fit_ctx(args), args.kv if kv is None else kv, force=args.force)
+    """Refuse (DoesNotFit) a model, with its --draft model if given, whose estimated memory
+    exceeds what is available, unless --force."""
+    est = fit.check_fits(path, _fit_ctx(args), args.kv if kv is None else kv, force=args.force,
+                         draft=_draft_path(args))
     log.debug("memory estimate: %s", est.summary())
     if est.verdict != fit.FITS:
         log.warning("%s", est.summary())
@@ -310,7 +317,7 @@ def _session(args):
     from .session import Session
 
     if not args.ctx:  # the model's context, capped by what fits in memory at the KV setting
-        args.ctx = fit.default_context_file(_resolve(args.model), args.kv)
+        args.ctx = fit.default_context_file(_resolve(args.model), args.kv, draft=_draft_path(args))
     engine = _load_engine(args)
     session = Session(engine, system_prompt=getattr(args, "system", None), ctx=args.ctx,
                       overflow=args.overflow, doc_mode=args.doc_mode,

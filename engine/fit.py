@@ -18,6 +18,10 @@ estimate = runtime + weights + tokenizer + KV(ctx, spec) + max(prefill working s
               of dim, ffn and heads × head_dim)
   decode floor what decoding holds once it has started (its kernels, loaded on first use, and
               their buffers; a measured constant): short prompts peak there, not in the prefill
+  draft       with a draft model (`--draft`, speculate.load_draft): its file and float32 copies,
+              its tokenizer, its KV at the same spec (speculate.draft_kv) and context (up to its
+              own), and the kernels of weight types the main model does not use; its prefill
+              runs between the main model's steps, so the working set is the main model's
 The constants are fitted to the peak RSS (VmHWM of a fresh process, kernel cache warm) of the
 catalog's models at several contexts and specs (the estimate-vs-measured
 test holds it within 15%). Verdict against psutil's available memory: "fits" up to
@@ -60,11 +64,12 @@ class FitEstimate:
     kv_bytes: int
     working_bytes: int
     available_bytes: int
+    draft_bytes: int = 0  # the draft model's weights, tokenizer, KV and extra kernels (0: none)
 
     @property
     def total_bytes(self) -> int:
         return (self.runtime_bytes + self.weights_bytes + self.tokenizer_bytes + self.kv_bytes
-                + self.working_bytes)
+                + self.working_bytes + self.draft_bytes)
 
     @property
     def verdict(self) -> str:
@@ -78,7 +83,8 @@ class FitEstimate:
         return (f"{self.verdict}: needs about {_mib(self.total_bytes)} of {_mib(self.available_bytes)} "
                 f"available (weights {_mib(self.weights_bytes)}, KV {_mib(self.kv_bytes)} at "
                 f"{self.ctx:,} tokens {self.kv_spec}, prefill/decode {_mib(self.working_bytes)}, runtime and "
-                f"tokenizer {_mib(self.runtime_bytes + self.tokenizer_bytes)})")
+                f"tokenizer {_mib(self.runtime_bytes + self.tokenizer_bytes)}"
+                + (f", draft model {_mib(self.draft_bytes)}" if self.draft_bytes else "") + ")")
 
 
 def _mib(n: int) -> str:
@@ -148,9 +154,25 @@ def _dense_copy_bytes(gguf) -> int:
     return total
 
 
-def estimate(gguf, ctx: int | None = None, kv=None, available: int | None = None) -> FitEstimate:
+def _draft_bytes(draft, ctx: int, config, main_types: set) -> int:
+    """What the draft model in the open GGUFFile ``draft`` adds at ``ctx`` tokens of the main
+    model's KV config ``config`` (see the module docstring)."""
+    from .kv.config import estimate_bytes
+    from .models import model_args
+    from .speculate import draft_kv
+
+    model = model_args(draft)
+    g = model.kv_geometry()
+    kv = estimate_bytes(draft_kv(config, model), g.n_layers, g.n_kv_heads, g.head_dim,
+                        min(ctx, model.context_length), g.value_dim, windows=list(g.windows))["total"]
+    return (int(draft.file_size) + _dense_copy_bytes(draft) + TOKENIZER_BYTES_PER_ENTRY * int(model.vocab_size)
+            + int(kv) + KERNEL_BYTES_PER_WEIGHT_TYPE * len(_weight_types(draft) - main_types))
+
+
+def estimate(gguf, ctx: int | None = None, kv=None, available: int | None = None, draft=None) -> FitEstimate:
     """The estimate for the open GGUFFile ``gguf`` at ``ctx`` tokens (default: the model's
-    context) and KV spec ``kv`` (default: the engine's default)."""
+    context) and KV spec ``kv`` (default: the engine's default); with ``draft``, an open
+    GGUFFile, the draft model's memory too (`draft_bytes`)."""
     from .engine import PREFILL_CHUNK
     from .kv.paged_attention import ATTEND_ROWS
     from .kv.config import estimate_bytes, parse_kv
@@ -171,27 +193,35 @@ def estimate(gguf, ctx: int | None = None, kv=None, available: int | None = None
                    + KV_DEQUANT_COPIES * g.n_kv_heads * ctx * (g.head_dim + g.value_dim)
                    + ACTIVATION_ROWS_PER_TOKEN * chunk * widest)
     working = max(prefill, DECODE_FLOOR_BYTES)
+    types = _weight_types(gguf)
     return FitEstimate(
         ctx=ctx,
         kv_spec=str(config),
-        runtime_bytes=RUNTIME_BYTES + KERNEL_BYTES_PER_WEIGHT_TYPE * len(_weight_types(gguf)),
+        runtime_bytes=RUNTIME_BYTES + KERNEL_BYTES_PER_WEIGHT_TYPE * len(types),
         weights_bytes=int(gguf.file_size) + _dense_copy_bytes(gguf),
         tokenizer_bytes=TOKENIZER_BYTES_PER_ENTRY * int(model.vocab_size),
         kv_bytes=int(kv_bytes),
         working_bytes=int(working),
         available_bytes=available_bytes() if available is None else int(available),
+        draft_bytes=0 if draft is None else _draft_bytes(draft, ctx, config, types),
     )
 
 
-def estimate_file(path, ctx: int | None = None, kv=None, available: int | None = None) -> FitEstimate:
-    """:func:`estimate` for the GGUF file at ``path`` (reads its header only)."""
+def estimate_file(path, ctx: int | None = None, kv=None, available: int | None = None,
+                  draft=None) -> FitEstimate:
+    """:func:`estimate` for the GGUF file at ``path`` (reads its header only), with the draft
+    model at the path ``draft`` if given."""
     from .gguf_file import GGUFFile
 
     gguf = GGUFFile(path)
+    draft_gguf = None
     try:
-        return estimate(gguf, ctx, kv, available)
+        draft_gguf = None if draft is None else GGUFFile(draft)
+        return estimate(gguf, ctx, kv, available, draft_gguf)
     finally:
         gguf.close()
+        if draft_gguf is not None:
+            draft_gguf.close()
 
 
 def download_estimate(file_size: int) -> int:
@@ -207,12 +237,17 @@ def download_verdict(file_size: int, available: int | None = None) -> str:
     return verdict(download_estimate(file_size), available)
 
 
-def check_fits(path, ctx: int | None = None, kv=None, *, force: bool = False) -> FitEstimate:
-    """The estimate for loading ``path``; raises DoesNotFit when it does not fit, unless ``force``."""
-    est = estimate_file(path, ctx, kv)
+def check_fits(path, ctx: int | None = None, kv=None, *, force: bool = False, draft=None) -> FitEstimate:
+    """The estimate for loading ``path`` (with the draft model at ``draft``, if given); raises
+    DoesNotFit when it does not fit, unless ``force``."""
+    est = estimate_file(path, ctx, kv, draft=draft)
     if est.verdict == DOES_NOT_FIT and not force:
+        what = os.path.basename(str(path))
+        if draft is not None:
+            what += f" with the draft model {os.path.basename(str(draft))}"
         raise DoesNotFit(
-            f"{os.path.basename(str(path))} does not fit: it needs about {_mib(est.total_bytes)} at "
+            f"{what} does not fit: {'together they need' if draft is not None else 'it needs'} about "
+            f"{_mib(est.total_bytes)} at "
             f"{est.ctx:,} tokens ({est.kv_spec}) and {_mib(est.available_bytes)} is available. Use a "
             "smaller context (--ctx), a lower-bit KV setting (--kv memory-saver), a smaller quant, "
             "or --force to load anyway"
@@ -223,32 +258,38 @@ def check_fits(path, ctx: int | None = None, kv=None, *, force: bool = False) ->
 CONTEXT_STEP = 256  # default contexts below the model's are multiples of this
 
 
-def default_context(gguf, kv=None, available: int | None = None) -> int:
+def default_context(gguf, kv=None, available: int | None = None, draft=None) -> int:
     """The context to use when none is given: the model's own, or, when that does not fit
-    ("fits" verdict) at KV spec ``kv``, the largest multiple of CONTEXT_STEP that does (at
-    least CONTEXT_STEP: a model that fits nowhere is left to the fit check to refuse)."""
+    ("fits" verdict) at KV spec ``kv`` (with the draft model of the open GGUFFile ``draft``),
+    the largest multiple of CONTEXT_STEP that does (at least CONTEXT_STEP: a model that fits
+    nowhere is left to the fit check to refuse)."""
     from .models import model_args
 
     model_ctx = int(model_args(gguf).context_length)
     available = available_bytes() if available is None else int(available)
-    if estimate(gguf, model_ctx, kv, available).verdict == FITS:
+    if estimate(gguf, model_ctx, kv, available, draft).verdict == FITS:
         return model_ctx
     lo, hi = 1, model_ctx // CONTEXT_STEP  # in steps: lo fits (or is the floor), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if estimate(gguf, mid * CONTEXT_STEP, kv, available).verdict == FITS:
+        if estimate(gguf, mid * CONTEXT_STEP, kv, available, draft).verdict == FITS:
             lo = mid
         else:
             hi = mid
     return lo * CONTEXT_STEP
 
 
-def default_context_file(path, kv=None, available: int | None = None) -> int:
-    """:func:`default_context` for the GGUF file at ``path`` (reads its header only)."""
+def default_context_file(path, kv=None, available: int | None = None, draft=None) -> int:
+    """:func:`default_context` for the GGUF file at ``path`` (reads its header only), with the
+    draft model at the path ``draft`` if given."""
     from .gguf_file import GGUFFile
 
     gguf = GGUFFile(path)
+    draft_gguf = None
     try:
-        return default_context(gguf, kv, available)
+        draft_gguf = None if draft is None else GGUFFile(draft)
+        return default_context(gguf, kv, available, draft_gguf)
     finally:
         gguf.close()
+        if draft_gguf is not None:
+            draft_gguf.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -124,3 +125,40 @@ def test_estimate_within_15_percent_of_measured_peak_rss(name, n_tokens, kv, smo
     estimated = fit.estimate_file(path, n_tokens, kv).total_bytes
     assert abs(estimated - measured) <= 0.15 * measured, (
         f"estimate {estimated / MiB:.0f} MiB vs measured peak {measured / MiB:.0f} MiB")
+
+
+def test_a_draft_model_counts_in_the_fit_check(smollm2_path, tmp_path, monkeypatch, capsys):
+    """With --draft the check adds the draft model's file and its KV at the same spec and
+    context: a budget the model alone fits in but the pair does not refuses the pair (exit 2,
+    the message naming both files) before either loads, on generate and serve alike."""
+    from engine import cli
+
+    draft = tmp_path / "smollm2-draft.gguf"  # SmolLM2 drafting for itself, under another name
+    try:
+        os.link(smollm2_path, draft)  # (a symlink would resolve to the model's own name)
+    except OSError:  # another file system
+        shutil.copyfile(smollm2_path, draft)
+    prompt, max_tokens = "Hello", 2
+    ctx = len(prompt.encode()) + max_tokens + 16  # what the check assumes for generate (cli._fit_ctx)
+    alone = fit.estimate_file(smollm2_path, ctx, "full", available=1 << 40)
+    pair = fit.estimate_file(smollm2_path, ctx, "full", available=1 << 40, draft=draft)
+    g = model_args(GGUFFile(smollm2_path)).kv_geometry()
+    draft_kv = estimate_bytes(parse_kv("full"), g.n_layers, g.n_kv_heads, g.head_dim, ctx, g.value_dim,
+                              windows=list(g.windows))["total"]
+    # the same weight types: no kernels more; its file, tokenizer and KV at the same context
+    assert pair.draft_bytes == (smollm2_path.stat().st_size + draft_kv
+                                + fit.TOKENIZER_BYTES_PER_ENTRY * model_args(GGUFFile(draft)).vocab_size)
+    assert pair.total_bytes == alone.total_bytes + pair.draft_bytes
+    assert "draft model" in pair.summary() and "draft model" not in alone.summary()
+    monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, str((alone.total_bytes + pair.total_bytes) // 2))
+
+    args = ["-q", "generate", str(smollm2_path), "--prompt", prompt, "--max-tokens", str(max_tokens), "--kv", "full"]
+    assert cli.main(args) == 0  # alone it fits (tight: said, then loaded)
+    capsys.readouterr()
+    assert cli.main([*args, "--draft", str(draft)]) == 2
+    err = capsys.readouterr().err
+    assert f"{smollm2_path.name} with the draft model {draft.name} does not fit" in err, err
+    assert "--force" in err and "Traceback" not in err
+    serve = ["-q", "serve", str(smollm2_path), "--port", "0", "--ctx", str(ctx), "--kv", "full", "--draft", str(draft)]
+    assert cli.main(serve) == 2
+    assert f"{smollm2_path.name} with the draft model {draft.name} does not fit" in capsys.readouterr().err
