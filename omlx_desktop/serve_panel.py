@@ -17,6 +17,14 @@ until the setting has been still for SETTLE_S (one restart for a slider drag) an
 no request running or queued, for at most RESTART_WAIT_S; requests still running then are cut
 off (their clients get an error and can retry). The label says so while the restart is pending.
 
+Draft model: the server drafts with the chat's draft model (Chat → Draft model, `set_draft`,
+which `install` connects to the draft menu's applied choice), as `omlx serve --draft` does: a
+second draft Engine over the same file, loaded for the server's engine in the starter thread
+(engine.speculate.load_draft, its caches at the server's KV setting). The panel shows it ("draft
+smollm2-135m-instruct"); a new choice restarts the server as a new KV setting does. A draft model
+that cannot be loaded for the server (its file gone) leaves the server answering without drafts,
+and the panel says why ("not drafting: ...").
+
 Off by default; the switch is disabled until a model is loaded. Binding is 127.0.0.1 only, so no
 API key is needed (the CLI's rule for other hosts does not arise here).
 """
@@ -26,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
@@ -53,7 +62,9 @@ class ServePanel(QWidget):
     (the window calls it when a model is loaded), `set_kv_spec(spec)` the KV setting to serve it
     with; `shutdown()` stops the server (window close)."""
 
-    started = Signal(str, str)  # base URL (…/v1), the KV setting served; from the starter thread
+    # base URL (…/v1), the KV setting served, the draft model served ("": none), why it does not
+    # draft with the one asked for ("": it does); from the starter thread
+    started = Signal(str, str, str, str)
     stopped = Signal()
     failed = Signal(str)       # message
 
@@ -72,21 +83,28 @@ class ServePanel(QWidget):
         self.kv_label = QLabel("")
         self.kv_label.setToolTip("the KV cache setting the server uses (the KV panel's; a new "
                                  "setting restarts the server)")
+        self.draft_label = QLabel("")
+        self.draft_label.setToolTip("the draft model the server drafts with (the chat's, Chat → Draft model; "
+                                    "a new one restarts the server)")
         self.copy_button = QPushButton("Copy URL")
         self.copy_button.setEnabled(False)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        for w in (self.switch, self.port, self.url_label, self.kv_label, self.copy_button):
+        for w in (self.switch, self.port, self.url_label, self.kv_label, self.draft_label, self.copy_button):
             layout.addWidget(w)
         self.model_path: str | None = None
         self.kv_spec: str = canonical_spec(None)    # the setting to serve with
         self.served_spec: str | None = None         # the engine's setting while serving
+        self.draft_spec = ""                        # the draft model to serve with ("": none)
+        self.served_draft: str | None = None        # the one the server drafts with ("": none)
+        self.draft_error: str | None = None         # why the server does not draft with draft_spec
         self.url: str | None = None
         self.error: str | None = None
         self._thread = None          # engine.serve.ServerThread while serving
         self._busy = False           # a start or stop is running in the background
         self._served_path: str | None = None
         self._started_spec: str | None = None       # kv_spec when the running server started
+        self._started_draft: str | None = None      # draft_spec then
         self._restart_after_stop = False
         self._restart_port: int | None = None       # the port a restart binds again
         self._spec_changed_at = 0.0
@@ -122,13 +140,31 @@ class ServePanel(QWidget):
         if spec == self.kv_spec:
             return
         self.kv_spec = spec
+        self._setting_changed()
+
+    def set_draft(self, spec: str | None) -> None:
+        """The draft model to serve with (a catalog name or a .gguf path, as the draft menu keeps
+        it; "" or None: none). A running server restarts on it as on a new KV setting."""
+        spec = spec or ""
+        if spec == self.draft_spec:
+            return
+        self.draft_spec = spec
+        self._setting_changed()
+
+    def _setting_changed(self) -> None:
         self._spec_changed_at = time.monotonic()
         if self._thread is not None and not self._busy:
-            if spec != self._started_spec:
+            if self._wanted() != self._started():
                 self._schedule_restart()
             else:                          # back to the served setting before the restart
                 self._restart_timer.stop()
         self._show_kv()
+
+    def _wanted(self) -> tuple[str, str]:
+        return self.kv_spec, self.draft_spec
+
+    def _started(self) -> tuple[str | None, str | None]:
+        return self._started_spec, self._started_draft
 
     def shutdown(self) -> None:
         """Stop serving now (blocking briefly; the window is closing)."""
@@ -143,18 +179,28 @@ class ServePanel(QWidget):
 
     @property
     def restart_pending(self) -> bool:
-        """A new KV setting waits for the server to restart on it."""
+        """A new KV setting or draft model waits for the server to restart on it."""
         return self._restart_timer.isActive()
 
-    # -- the KV setting ----------------------------------------------------------------------------
+    # -- the KV setting and the draft model ---------------------------------------------------------
     def _show_kv(self) -> None:
-        if self.restart_pending:
-            self.kv_label.setText(f"KV {self.served_spec} → {self.kv_spec}: restarting when the "
-                                  "running requests finish")
+        pending = " restarting when the running requests finish"
+        if self.restart_pending and self.kv_spec != self._started_spec:
+            self.kv_label.setText(f"KV {self.served_spec} → {self.kv_spec}:{pending}")
         elif self._thread is not None and self.served_spec:
             self.kv_label.setText(f"KV {self.served_spec}")
         else:
             self.kv_label.setText(f"KV {self.kv_spec}")
+        serving = self._thread is not None and self.served_draft is not None
+        if self.restart_pending and self.draft_spec != self._started_draft:
+            self.draft_label.setText(f"draft {_draft_name(self.served_draft)} → {_draft_name(self.draft_spec)}:"
+                                     + pending)
+        elif serving and self.draft_error:
+            self.draft_label.setText(f"not drafting: {self.draft_error}")
+        elif serving:
+            self.draft_label.setText(f"draft {_draft_name(self.served_draft)}" if self.served_draft else "")
+        else:
+            self.draft_label.setText(f"draft {_draft_name(self.draft_spec)}" if self.draft_spec else "")
 
     def _schedule_restart(self) -> None:
         if not self.restart_pending:
@@ -163,7 +209,7 @@ class ServePanel(QWidget):
 
     def _poll_restart(self) -> None:
         thread = self._thread
-        if thread is None or self._busy or self.kv_spec == self._started_spec:
+        if thread is None or self._busy or self._wanted() == self._started():
             self._restart_timer.stop()    # stopped meanwhile, or the setting went back
             self._show_kv()
             return
@@ -175,7 +221,8 @@ class ServePanel(QWidget):
         idle = metrics.running.value == 0 and metrics.queue_length.value == 0
         if idle or now - self._restart_pending_since >= RESTART_WAIT_S:
             if not idle:
-                log.info("restarting the server on KV %s with requests still running", self.kv_spec)
+                log.info("restarting the server on KV %s, draft %r with requests still running", self.kv_spec,
+                         self.draft_spec)
             self._restart_timer.stop()
             self._stop(restart=True)
         else:
@@ -195,7 +242,7 @@ class ServePanel(QWidget):
         self._busy = True
         self.error = None
         self.port.setEnabled(False)
-        path, spec = self.model_path, self.kv_spec
+        path, spec, draft = self.model_path, self.kv_spec, self.draft_spec
         port = self._restart_port if self._restart_port is not None else self.port.value()
         self._restart_port = None
         self.url_label.setText(f"starting with KV {spec}…")
@@ -206,12 +253,15 @@ class ServePanel(QWidget):
                 from engine.serve import OpenAIServer, ServeConfig, ServeLimits, ServerThread
 
                 engine = Engine.load(path, kv=spec)
+                not_drafting = _use_draft(engine, draft)
                 limits = ServeLimits(ctx=min(SERVE_CTX, engine.model.context_length), max_batch=SERVE_BATCH)
                 server = OpenAIServer(engine, limits, ServeConfig(host="127.0.0.1", port=port))
                 self._thread = ServerThread(server).start()
                 self._served_path = path
                 self._started_spec = spec
-                self.started.emit(self._thread.url + "/v1", str(engine.kv_config))
+                self._started_draft = draft
+                self.started.emit(self._thread.url + "/v1", str(engine.kv_config),
+                                  "" if not_drafting is not None else draft, not_drafting or "")
             except Exception as exc:  # reported in the panel; the window goes on
                 log.exception("cannot start serving")
                 from engine.errors import describe
@@ -226,7 +276,8 @@ class ServePanel(QWidget):
         self._busy = True
         if restart and thread is not None:
             self._restart_port = thread.port       # clients keep their URL
-            self.url_label.setText(f"restarting with KV {self.kv_spec}…")
+            self.url_label.setText(f"restarting with KV {self.kv_spec}"
+                                   + (f", draft {_draft_name(self.draft_spec)}…" if self.draft_spec else "…"))
         else:
             self.url_label.setText("stopping…")
         self.copy_button.setEnabled(False)
@@ -239,10 +290,12 @@ class ServePanel(QWidget):
         self._restart_after_stop = restart
         threading.Thread(target=stop, name="omlx-serve-stop", daemon=True).start()
 
-    def _on_started(self, url: str, served_spec: str) -> None:
+    def _on_started(self, url: str, served_spec: str, served_draft: str, draft_error: str) -> None:
         self._busy = False
         self.url = url
         self.served_spec = served_spec
+        self.served_draft = served_draft
+        self.draft_error = draft_error or None
         self.url_label.setText(url)
         self.copy_button.setEnabled(True)
         self.switch.setEnabled(True)
@@ -250,7 +303,7 @@ class ServePanel(QWidget):
             self._stop(restart=False)
         elif self._served_path != self.model_path:  # another model was loaded while starting
             self._stop(restart=self.model_path is not None)
-        elif self._started_spec != self.kv_spec:    # the setting changed while starting
+        elif self._started() != self._wanted():     # the setting changed while starting
             self._schedule_restart()
         self._show_kv()
 
@@ -258,6 +311,7 @@ class ServePanel(QWidget):
         self._busy = False
         self.url = None
         self.served_spec = None
+        self.served_draft = self.draft_error = None
         self.url_label.setText("")
         self.port.setEnabled(True)
         self.switch.setEnabled(self.model_path is not None)
@@ -273,6 +327,7 @@ class ServePanel(QWidget):
         self._busy = False
         self.error = message
         self.served_spec = None
+        self.served_draft = self.draft_error = None
         self.url_label.setText(f"not serving: {message}")
         self.port.setEnabled(True)
         self.switch.blockSignals(True)
@@ -282,9 +337,36 @@ class ServePanel(QWidget):
         self._show_kv()
 
 
+def _draft_name(spec: str | None) -> str:
+    """A draft spec as the panel shows it: a catalog name, or a path's file name."""
+    if not spec:
+        return "none"
+    return Path(spec).name if spec.lower().endswith(".gguf") else spec
+
+
+def _use_draft(engine, spec: str) -> str | None:
+    """The draft model `spec` set on the server's `engine` (a second Engine over its file, its
+    vocabulary checked, speculate.load_draft); None when it drafts (or none is asked for), else
+    why it cannot, the server then answering without drafts."""
+    if not spec:
+        return None
+    try:
+        from engine.catalog import resolve_model
+        from engine.speculate import load_draft
+
+        engine.set_draft(load_draft(engine, resolve_model(spec, fetch_missing=False)))
+        return None
+    except Exception as exc:
+        from engine.errors import describe
+
+        log.warning("serving without the draft model %s: %s", spec, exc)
+        return describe(exc)[1]
+
+
 def install(window) -> ServePanel:
     """Put the panel first in the model bar's row of controls (``window.model_tools``, under the
-    model's header); it follows the window's model and the KV panel's setting."""
+    model's header); it follows the window's model, the KV panel's setting and the draft model
+    the chat drafts with (``window.draft_menu``)."""
     panel = ServePanel(window)
     window.model_tools.insertWidget(0, panel)
 
@@ -304,4 +386,6 @@ def install(window) -> ServePanel:
     window.models.loaded.connect(follow)
     window.kv_panel.settingsChanged.connect(follow_kv)
     follow_kv(window.kv_panel.settings())
+    window.draft_menu.applied.connect(lambda applied: panel.set_draft(applied.spec))
+    panel.set_draft(window.draft_menu.spec)
     return panel

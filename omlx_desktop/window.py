@@ -94,9 +94,9 @@ class MainWindow(QMainWindow):
         self.conversations = ConversationsController(self)
         self.chat = ChatController(self)
         self.docs = DocumentsController(self)
-        self.serve_panel = install_serve_panel(self)
         self._connect_widgets()
         self._build_actions()
+        self.serve_panel = install_serve_panel(self)    # after the draft menu: it follows its choice
         self._start_worker()
         self.autotune = AutoTuneController(self)    # the KV panel's Auto preset <-> the worker
         self._restore_layout()

@@ -96,3 +96,39 @@ def test_the_draft_model_picker_drafts_refuses_another_vocabulary_and_is_kept(wi
         assert not ask(again, QUESTION, 40)["stats"].get("drafted_tokens")
     finally:
         again.close()
+
+
+def test_the_serve_switch_drafts_with_the_chats_draft_model(qapp, tmp_path, smollm2_path):
+    """Serving on localhost with a draft model chosen in Chat → Draft model: the server drafts
+    with it too (SmolLM2 drafting for itself: every drafted token of a served answer accepted,
+    counted in /metrics and the answer's usage); choosing None restarts the server on the same
+    URL without drafts, and the served answer is the same."""
+    from .test_serve_desktop import _ask_served, _metric
+
+    windows = open_window(tmp_path, smollm2_path)
+    window = next(windows)
+    try:
+        assert choose(window, SMOLLM2).failure is None
+        panel = window.serve_panel
+        assert panel.draft_spec == SMOLLM2 and panel.draft_label.text() == f"draft {SMOLLM2}"
+        panel.port.setValue(0)
+        panel.switch.setChecked(True)
+        wait_until(lambda: panel.url or panel.error, what="the server")
+        assert panel.error is None and panel.served_draft == SMOLLM2 and panel.draft_error is None
+        url = panel.url
+        served = _ask_served(url, QUESTION, 40)
+        drafted = _metric(url, "omlx_drafted_tokens_total")
+        assert drafted > 0 and _metric(url, "omlx_accepted_tokens_total") == drafted
+        details = served.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens == 0
+        assert _metric(url, "omlx_draft_kv_bytes_capacity") > 0
+
+        assert choose(window, "").spec == ""
+        wait_until(lambda: panel.served_draft == "" and panel.url, what="the server without a draft")
+        assert panel.url == url and panel.draft_label.text() == ""
+        plain = _ask_served(url, QUESTION, 40)
+        assert plain.choices[0].message.content == served.choices[0].message.content
+        assert _metric(url, "omlx_drafted_tokens_total") == 0
+    finally:
+        window.close()
+    assert window.serve_panel._thread is None

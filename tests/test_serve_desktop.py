@@ -183,3 +183,44 @@ def test_the_window_serves_with_the_kv_panels_setting(qapp, tmp_path, smollm2_pa
     finally:
         window.close()
     assert window.closed and window.serve_panel._thread is None
+
+
+def test_the_switch_serves_with_the_draft_model_and_restarts_on_a_new_one(qapp, tmp_path):
+    """The chat's draft model (set_draft) reaches the server: the tiny model drafting for itself
+    has every drafted token accepted; no draft model restarts it without drafts; one that cannot
+    draft (another vocabulary) leaves the server answering without drafts, and the panel says why."""
+    path = write_tiny_model(tmp_path / "tiny-chat.gguf", context_length=512, chat_template=CHAT_TEMPLATE,
+                            weight_type=QT.Q8_0)
+    foreign = write_tiny_model(tmp_path / "tiny-foreign.gguf", context_length=512, chat_template=CHAT_TEMPLATE,
+                               weight_type=QT.Q8_0, seed=3, extra_tokens=("Ġcat",))
+    panel = ServePanel()
+    try:
+        panel.port.setValue(0)
+        panel.set_model(str(path))
+        panel.set_draft(str(path))
+        assert panel.draft_label.text() == "draft tiny-chat.gguf"     # what it will serve with
+        panel.switch.setChecked(True)
+        wait_until(lambda: panel.url or panel.error, timeout=60, what="the server")
+        assert panel.error is None and panel.served_draft == str(path) and panel.draft_error is None
+        url = panel.url
+        plain = _ask_served(url, "the cat sat", 24)
+        drafted = _metric(url, "omlx_drafted_tokens_total")
+        assert drafted > 0 and _metric(url, "omlx_accepted_tokens_total") == drafted
+        assert _metric(url, "omlx_draft_kv_bytes_capacity") > 0
+        assert plain.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+        panel.set_draft("")                          # Chat → Draft model → None
+        assert panel.restart_pending and "draft tiny-chat.gguf → none" in panel.draft_label.text()
+        wait_until(lambda: panel.served_draft == "" and panel.url, timeout=60, what="the restart without a draft")
+        assert panel.url == url and panel.draft_label.text() == "" and panel.kv_label.text().startswith("KV ")
+        again = _ask_served(url, "the cat sat", 24)
+        assert again.choices[0].message.content == plain.choices[0].message.content
+        assert _metric(url, "omlx_drafted_tokens_total") == 0 and _metric(url, "omlx_draft_kv_bytes_capacity") == 0
+
+        panel.set_draft(str(foreign))
+        wait_until(lambda: panel.draft_error and panel.url, timeout=60, what="the restart with a foreign draft")
+        assert "vocabulary" in panel.draft_label.text() and panel.draft_label.text().startswith("not drafting: ")
+        assert _ask_served(url, "the cat sat", 24).choices[0].message.content == plain.choices[0].message.content
+        assert _metric(url, "omlx_drafted_tokens_total") == 0
+    finally:
+        panel.shutdown()
