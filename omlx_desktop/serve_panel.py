@@ -22,8 +22,9 @@ which `install` connects to the draft menu's applied choice), as `omlx serve --d
 second draft Engine over the same file, loaded for the server's engine in the starter thread
 (engine.speculate.load_draft, its caches at the server's KV setting). The panel shows it ("draft
 smollm2-135m-instruct"); a new choice restarts the server as a new KV setting does. A draft model
-that cannot be loaded for the server (its file gone) leaves the server answering without drafts,
-and the panel says why ("not drafting: ...").
+that cannot be loaded for the server (its file gone; another vocabulary, when a new model restarts
+the server before the chat has dropped the old model's draft) leaves the server answering without
+drafts, and the panel says why ("not drafting: ...").
 
 Off by default; the switch is disabled until a model is loaded. Binding is 127.0.0.1 only, so no
 API key is needed (the CLI's rule for other hosts does not arise here).
@@ -60,7 +61,8 @@ def canonical_spec(spec: str | None) -> str:
 class ServePanel(QWidget):
     """Switch, port, URL, KV setting and copy button. `set_model(path)` names the model to serve
     (the window calls it when a model is loaded), `set_kv_spec(spec)` the KV setting to serve it
-    with; `shutdown()` stops the server (window close)."""
+    with, `set_draft(spec)` the draft model to draft with; `shutdown()` stops the server (window
+    close)."""
 
     # base URL (…/v1), the KV setting served, the draft model served ("": none), why it does not
     # draft with the one asked for ("": it does); from the starter thread
