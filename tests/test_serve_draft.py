@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 
@@ -22,7 +21,7 @@ from engine.serve import OpenAIServer, ServeConfig, ServeLimits, ServerThread
 from engine.speculate import load_draft
 from .serve_process import ROOT, ServeProcess
 from .test_serve import CHAT_TEMPLATE, TINY_CTX, client, metric, tiny_path  # noqa: F401 (fixture)
-from .test_serve_speculate import PROMPTS
+from .test_serve_speculate import PROMPTS, answer, answers_together
 from .tiny_gguf import write_tiny_model
 
 from gguf.constants import GGMLQuantizationType as QT
@@ -59,25 +58,6 @@ def start(path, draft=None, *, kv="full", speculate="off", **limits) -> ServerTh
 def ask(thread: ServerThread, content: str, max_tokens: int, model: str = "m"):
     return client(thread).chat.completions.create(
         model=model, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=max_tokens)
-
-
-def answer(thread: ServerThread, content: str, max_tokens: int, model: str = "m") -> tuple[str, int, str]:
-    r = ask(thread, content, max_tokens, model)
-    return r.choices[0].message.content, r.usage.completion_tokens, r.choices[0].finish_reason
-
-
-def answers_together(thread: ServerThread, prompts: list[str], max_tokens: int, model: str = "m") -> list:
-    out: list = [None] * len(prompts)
-
-    def one(i):
-        out[i] = answer(thread, prompts[i], max_tokens, model)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    return out
 
 
 def draft_blocks_held(thread: ServerThread) -> int:

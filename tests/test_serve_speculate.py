@@ -32,17 +32,20 @@ def start(path, speculate: str, *, kv="full", **limits) -> ServerThread:
     return ServerThread(server).start()
 
 
-def answer(thread: ServerThread, content: str, max_tokens: int) -> tuple[str, int, str]:
+def answer(thread: ServerThread, content: str, max_tokens: int, model: str = "m") -> tuple[str, int, str]:
+    """A greedy chat answer: (text, completion tokens, finish reason)."""
     r = client(thread).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=max_tokens)
+        model=model, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=max_tokens)
     return r.choices[0].message.content, r.usage.completion_tokens, r.choices[0].finish_reason
 
 
-def answers_together(thread: ServerThread, prompts: list[str], max_tokens: int) -> list[tuple[str, int, str]]:
+def answers_together(thread: ServerThread, prompts: list[str], max_tokens: int,
+                     model: str = "m") -> list[tuple[str, int, str]]:
+    """`answer` of every prompt, all sent at once (one client thread each)."""
     out: list = [None] * len(prompts)
 
     def ask(i):
-        out[i] = answer(thread, prompts[i], max_tokens)
+        out[i] = answer(thread, prompts[i], max_tokens, model)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
     for t in threads:
