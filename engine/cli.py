@@ -232,6 +232,10 @@ def cmd_info(args) -> int:
         "fit": estimate.as_dict(),
         "weight_kernels": weight_kernels(gguf),
     }
+    draft_gguf = GGUFFile(_resolve(args.draft)) if args.draft else None
+    if draft_gguf is not None:
+        info["draft"] = _info_draft(gguf, model, tokenizer, draft_gguf, args.ctx, config,
+                                    estimate.available_bytes)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -251,7 +255,39 @@ def cmd_info(args) -> int:
           f"({kv * model.context_length / 2**20:,.0f} MiB at the full context); "
           f"{config}: {_fmt_bytes(kv_ctx)} at the full context")
     print(f"  will it fit    {estimate.summary()}")
+    if draft_gguf is not None:
+        d = info["draft"]
+        can = ("can draft for it (the same vocabulary)" if d["can_draft"]
+               else f"cannot draft for it: {d['reason']}")
+        print(f"  draft model    {d['name']} ({d['file']}, {d['file_bytes'] / 2**20:.1f} MiB): {can}")
+        if d["fit"] is not None:
+            print(f"  with the draft {d['fit']['summary']}")
     return 0
+
+
+def _info_draft(gguf, model, tokenizer, draft, ctx, config, available: int) -> dict:
+    """`info --draft`: whether the open GGUFFile `draft` can draft for `gguf` (speculate's
+    check, from the headers) and the pair's memory estimate (None if the draft model cannot be
+    read as a model)."""
+    from .models import model_args
+    from .speculate import check_vocabulary
+
+    name = str(draft.get("general.name") or draft.path.stem)
+    out = {"name": name, "file": str(draft.path), "file_bytes": draft.file_size,
+           "can_draft": False, "reason": None, "fit": None}
+    try:
+        draft_model = model_args(draft)
+        check_vocabulary(str(gguf.get("general.name") or gguf.path.stem), model.vocab_size, tokenizer,
+                         name, draft_model.vocab_size, Tokenizer.from_metadata(draft.metadata))
+        out["can_draft"] = True
+    except OmlxError as exc:
+        out["reason"] = exc.user_message
+    try:
+        pair = fit.estimate(gguf, ctx, config, available, draft=draft)
+        out["fit"] = {**pair.as_dict(), "summary": pair.summary()}
+    except OmlxError as exc:  # not a model this engine runs
+        out["reason"] = out["reason"] or exc.user_message
+    return out
 
 
 def cmd_generate(args) -> int:
@@ -937,6 +973,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=model_help)
     p.add_argument("--json", action="store_true")
     p.add_argument("--ctx", type=int, help="context for the memory estimate (default: the model's)")
+    p.add_argument("--draft", metavar="MODEL",
+                   help="also: can this model draft for it (the same vocabulary), and the pair's memory")
     _add_kv(p, None)
     _add_arith(p)
     p.set_defaults(func=cmd_info)

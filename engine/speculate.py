@@ -217,9 +217,16 @@ def drafter_for(engine, speculate: str, context: Sequence[int] = ()) -> PromptLo
 def check_draft(engine, draft) -> None:
     """Raises SettingsError unless the engine `draft` may draft for `engine`: the same byte
     string for every id (the tokenizer's own table), or a drafted id would mean another token."""
-    if (engine.model.vocab_size != draft.model.vocab_size
-            or not engine.tokenizer.same_vocabulary(draft.tokenizer)):
-        raise SettingsError(f"the draft model {draft.name} does not have {engine.name}'s vocabulary")
+    check_vocabulary(engine.name, engine.model.vocab_size, engine.tokenizer,
+                     draft.name, draft.model.vocab_size, draft.tokenizer)
+
+
+def check_vocabulary(name: str, vocab_size: int, tokenizer, draft_name: str, draft_vocab_size: int,
+                     draft_tokenizer) -> None:
+    """check_draft from what the two files' headers say (their names, vocabulary sizes and
+    Tokenizers), before either model loads (`omlx info MODEL --draft DRAFT`)."""
+    if vocab_size != draft_vocab_size or not tokenizer.same_vocabulary(draft_tokenizer):
+        raise SettingsError(f"the draft model {draft_name} does not have {name}'s vocabulary")
 
 
 def draft_kv(config: KVConfig, draft_model) -> KVConfig:

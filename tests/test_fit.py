@@ -162,3 +162,40 @@ def test_a_draft_model_counts_in_the_fit_check(smollm2_path, tmp_path, monkeypat
     serve = ["-q", "serve", str(smollm2_path), "--port", "0", "--ctx", str(ctx), "--kv", "full", "--draft", str(draft)]
     assert cli.main(serve) == 2
     assert f"{smollm2_path.name} with the draft model {draft.name} does not fit" in capsys.readouterr().err
+
+
+def test_info_draft_says_whether_it_can_draft_and_the_pairs_memory(smollm2_path, gemma3_path, capsys,
+                                                                   monkeypatch):
+    """`omlx info MODEL --draft DRAFT`: the lines without --draft unchanged, then whether DRAFT
+    can draft for MODEL (the same vocabulary, or why not: speculate's check) and the pair's
+    estimate (fit.estimate's, draft model counted); --json carries the same under "draft"."""
+    from engine import cli
+
+    monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, "2G")  # the same "available" in every run below
+    base = ["info", str(smollm2_path), "--ctx", "2048", "--kv", "full"]
+    assert cli.main(base) == 0
+    alone = capsys.readouterr().out.splitlines()
+    assert not any("draft" in line for line in alone)
+
+    assert cli.main([*base, "--draft", str(smollm2_path)]) == 0  # SmolLM2 drafting for itself
+    out = capsys.readouterr().out.splitlines()
+    assert out[:len(alone)] == alone  # the model's own lines, as without --draft
+    draft_line, pair_line = out[len(alone):]
+    assert draft_line.startswith("  draft model    ") and "can draft for it (the same vocabulary)" in draft_line
+    assert smollm2_path.name in draft_line
+    pair = fit.estimate_file(smollm2_path, 2048, "full", available=1 << 40, draft=smollm2_path)
+    assert pair_line.startswith("  with the draft ") and f"draft model {pair.draft_bytes / MiB:,.0f} MiB" in pair_line
+    assert f"needs about {pair.total_bytes / MiB:,.0f} MiB" in pair_line
+
+    assert cli.main([*base, "--draft", str(gemma3_path), "--json"]) == 0  # another vocabulary
+    data = json.loads(capsys.readouterr().out)
+    draft = data["draft"]
+    assert draft["can_draft"] is False and draft["file"] == str(gemma3_path)
+    assert draft["reason"] == f"the draft model {draft['name']} does not have {data['name']}'s vocabulary"
+    pair = fit.estimate_file(smollm2_path, 2048, "full", available=1 << 40, draft=gemma3_path)
+    assert draft["fit"]["draft_bytes"] == pair.draft_bytes
+    assert draft["fit"]["total_bytes"] == data["fit"]["total_bytes"] + pair.draft_bytes
+    assert cli.main([*base, "--json"]) == 0
+    assert "draft" not in json.loads(capsys.readouterr().out)
+    assert cli.main([*base, "--draft", str(gemma3_path)]) == 0
+    assert "cannot draft for it: the draft model Gemma" in capsys.readouterr().out
