@@ -6,7 +6,9 @@ drafted and accepted tokens).
 The choice is kept in the Store ("draft_model": a catalog name or a .gguf path, "" for none),
 sent to the worker at start and on every change. The worker answers with what is in use
 (DraftApplied); the menu shows that, and a refused model (another vocabulary, a bad file) puts
-its reason in the error banner while the draft model before it goes on drafting.
+its reason in the error banner while the draft model before it goes on drafting. One that does
+not fit in memory beside the loaded model (the worker's fit check) is asked about first
+(:meth:`DraftMenu.ask_draft_anyway`): drafting with it anyway, or keeping the one before it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtGui import QAction, QActionGroup
-from PySide6.QtWidgets import QFileDialog, QMenu
+from PySide6.QtWidgets import QFileDialog, QMenu, QMessageBox
 
-from .protocol import DraftApplied, SetDraft
+from .fit_question import fit_question, what_does_not_fit
+from .protocol import DraftApplied, FitCheck, SetDraft
 from .window_surface import WindowSurface
 
 SETTING = "draft_model"
@@ -72,6 +75,22 @@ class DraftMenu(QObject):
         path, _ = QFileDialog.getOpenFileName(self.w, "Draft with a GGUF model", "", "GGUF models (*.gguf)")
         if path:
             self.choose(path)
+
+    def on_needs_confirmation(self, check: FitCheck) -> None:
+        """The picked draft model and the loaded model do not fit together: ask; draft anyway
+        (the SetDraft again, forced) or keep the draft model in use."""
+        if self.w.closed:
+            return
+        if self.ask_draft_anyway(check):
+            self.w.request(SetDraft(check.spec, force=True))
+            return
+        self.w.statusBar().showMessage(f"Not drafting: {what_does_not_fit(check)} does not fit in memory",
+                                       10_000)
+        self.rebuild()
+
+    def ask_draft_anyway(self, check: FitCheck) -> bool:
+        """Asks whether to draft with a draft model that does not fit (tests replace this method)."""
+        return fit_question(self.w, check, drafting=True).exec() == QMessageBox.StandardButton.Yes
 
     def on_applied(self, applied: DraftApplied) -> None:
         if applied.failure is not None:

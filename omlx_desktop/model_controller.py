@@ -21,8 +21,9 @@ that was used with a key is not connected without it: the local model loads and 
 opens, filled in, asking for the key.
 
 Every load (File → Open, a drop, the Hugging Face dialog, the last model at start) goes through
-the worker's fit check (engine.fit at the KV panel's context and setting): a model that does
-not fit is loaded only if the user says so (:meth:`ask_load_anyway`); a tight one loads with a
+the worker's fit check (engine.fit at the KV panel's context and setting, the chosen draft
+model counted): a model that does not fit is loaded only if the user says so
+(:meth:`ask_load_anyway`, the question naming the draft model too); a tight one loads with a
 warning in the banner.
 """
 
@@ -37,6 +38,7 @@ from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QFileDialog, QMessageBox
 
 from .chart import format_bytes
+from .fit_question import estimate_detail, fit_question, what_does_not_fit
 from .protocol import (
     Configure, ConnectRemote, FetchModel, Failure, FitCheck, KVApplied, LoadModel, ModelInfo,
 )
@@ -60,11 +62,6 @@ def model_text(info: dict) -> str:
     ]
     return " &nbsp;·&nbsp; ".join(p.replace(" ", "&nbsp;") if not p.startswith("<b>") else p
                                   for p in parts)
-
-
-def _estimate_detail(summary: str) -> str:
-    """FitEstimate.summary() without its leading verdict: "needs about … available (…)"."""
-    return summary.split(": ", 1)[-1]
 
 
 LOCAL, REMOTE = "local", "remote"   # the setting model_source: what the app comes back on
@@ -276,7 +273,7 @@ class ModelController(QObject):
         if self.ask_load_anyway(check):
             self.load(check.spec, force=True, keep_source=self._keep_source)
             return
-        name = Path(check.path).name
+        name = what_does_not_fit(check)
         self._load_ended()
         if self.model_info is None:
             self.w.welcome_status.setText(f"{name} was not loaded: it does not fit in memory.")
@@ -289,19 +286,9 @@ class ModelController(QObject):
         return self.fit_question(check).exec() == QMessageBox.StandardButton.Yes
 
     def fit_question(self, check: FitCheck) -> QMessageBox:
-        """The question :meth:`ask_load_anyway` asks: Load anyway (Yes) or Don't load (No, the default)."""
-        name = Path(check.path).name
-        box = QMessageBox(QMessageBox.Icon.Warning, "Model does not fit in memory",
-                          f"{name} probably does not fit in this computer's memory.", parent=self.w)
-        box.setInformativeText(
-            f"It {_estimate_detail(check.summary)}.\n\nLoading it anyway may make the computer swap "
-            "heavily or the app be stopped by the system. A smaller context or a lower-bit KV "
-            "setting (KV cache panel), or a smaller quant of the model, needs less.\n\nLoad it anyway?")
-        box.setStandardButtons(QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No)
-        box.setDefaultButton(QMessageBox.StandardButton.No)
-        box.button(QMessageBox.StandardButton.Yes).setText("Load anyway")
-        box.button(QMessageBox.StandardButton.No).setText("Don't load")
-        return box
+        """The question :meth:`ask_load_anyway` asks: Load anyway (Yes) or Don't load (No, the
+        default); with the draft model counted, naming both."""
+        return fit_question(self.w, check)
 
     def on_loaded(self, model: ModelInfo) -> None:
         if self.w.closed:
@@ -339,7 +326,7 @@ class ModelController(QObject):
         w.conversations.model_changed()
         w.update_buttons()
         if info.get("fit_verdict") == "tight":
-            w.show_error(f"Memory is tight for {info['name']}: it {_estimate_detail(info['fit_summary'])}. "
+            w.show_error(f"Memory is tight for {info['name']}: it {estimate_detail(info['fit_summary'])}. "
                          "Answers may slow down if the system starts swapping; a smaller context or "
                          "KV setting needs less.", "model")
         self.loaded.emit(info)

@@ -176,9 +176,12 @@ class SetSpeculate:
 class SetDraft:
     """Draft the loaded model's answers, and every model's loaded after it, with the small model
     ``spec`` (a catalog name, ``hf:`` source or .gguf path; "": no draft model). Answered by
-    ``draftApplied``; a model of another vocabulary is refused and the draft before it stays."""
+    ``draftApplied``; a model of another vocabulary is refused and the draft before it stays.
+    When the loaded model and it do not fit in memory together, the worker asks first
+    (``draftNeedsConfirmation``) unless ``force``."""
 
     spec: str
+    force: bool = False
 
 
 @dataclass(frozen=True)
@@ -255,7 +258,9 @@ class RemoteModels:
 @dataclass(frozen=True)
 class FitCheck:
     """A load stopped before it began: the model's memory estimate says it does not fit (send
-    the LoadModel again with ``force`` to load it anyway)."""
+    the LoadModel again with ``force`` to load it anyway). With a draft model chosen, the
+    estimate counts it (``draft``: its file); as ``draftNeedsConfirmation``, the loaded model
+    at ``path`` with the draft model ``spec`` just picked (send the SetDraft again with ``force``)."""
 
     spec: str
     path: str
@@ -263,6 +268,7 @@ class FitCheck:
     summary: str                # FitEstimate.summary()
     total_bytes: int
     available_bytes: int
+    draft: str = ""             # the draft model's file counted in the estimate ("": none)
 
 
 @dataclass(frozen=True)

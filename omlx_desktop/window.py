@@ -200,6 +200,7 @@ class MainWindow(QMainWindow):
         w.documentPinned.connect(docs.on_pinned)
         w.documentsChanged.connect(docs.on_changed)
         w.draftApplied.connect(self.draft_menu.on_applied)
+        w.draftNeedsConfirmation.connect(self.draft_menu.on_needs_confirmation)
         w.error.connect(self._on_worker_error)
         self.thread.start()
 

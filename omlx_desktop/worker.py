@@ -32,16 +32,16 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Signal, Slot
 
 from engine.errors import OmlxError
-from engine.fit import DOES_NOT_FIT
 
 from .protocol import (
     AddDocument, ArithApplied, Configure, ConnectRemote, DocumentFailed, Failure,
-    FetchModel, FitCheck, KVApplied, ListRemoteModels, LoadModel, MeasureArithCost, MeasureKVProfile, ModelInfo,
+    FetchModel, KVApplied, ListRemoteModels, LoadModel, MeasureArithCost, MeasureKVProfile, ModelInfo,
     OpenConversation, RemoteModels, RemoveDocument, SendMessage, SetArith, SetDocMode, SetPinned,
     SetDraft, SetRetrievalTokens, SetSpeculate, Shutdown, TurnFailed, TurnFinished,
 )
 from .worker_documents import DocumentRequests
 from .worker_draft import DraftRequests
+from .worker_fit import does_not_fit, draft_path, fit_estimate
 from .worker_host import failure_of, log
 from .worker_tuning import TuningRequests
 
@@ -86,22 +86,6 @@ def is_frozen() -> bool:
     return bool(getattr(sys, "frozen", False))
 
 
-def fit_estimate(path, ctx: int | None, kv):
-    """engine.fit's estimate for ``path`` at context ``ctx`` and KVConfig ``kv`` (None: the default
-    preset); None if the estimate itself fails (the load then reports what is wrong with the file)."""
-    from engine import fit
-    from engine.errors import SettingsError
-
-    try:
-        try:
-            return fit.estimate_file(path, ctx, kv)
-        except SettingsError:  # a KV setting for another model's layers: the default's estimate
-            return fit.estimate_file(path, ctx, None)
-    except Exception as exc:
-        log.info("no memory estimate for %s: %s", path, exc)
-        return None
-
-
 def model_info(e, default_ctx: int) -> ModelInfo:
     """What the window shows of the local engine ``e`` (``default_ctx``: its largest context here)."""
     g = e.model.kv_geometry
@@ -133,6 +117,7 @@ class EngineWorker(QObject):
     loaded = Signal(object)                     # ModelInfo
     loadFailed = Signal(object)                 # Failure
     loadNeedsConfirmation = Signal(object)      # FitCheck: does not fit, not loaded (force to load)
+    draftNeedsConfirmation = Signal(object)     # FitCheck: the picked draft model does not fit beside it
     remoteModels = Signal(object)               # RemoteModels: a server's model ids (or why none)
     # chat
     tokens = Signal(int, str)                   # request id, text since the last signal
@@ -256,12 +241,11 @@ class EngineWorker(QObject):
 
         try:
             path = resolve_model(request.spec, fetch_missing=False)
-            estimate = fit_estimate(path, self.ctx, self.kv_wanted)
-            if estimate is not None and estimate.verdict == DOES_NOT_FIT and not request.force:
-                log.info("%s does not fit: %s", path, estimate.summary())
-                self.loadNeedsConfirmation.emit(FitCheck(
-                    request.spec, str(path), estimate.verdict, estimate.summary(),
-                    estimate.total_bytes, estimate.available_bytes))
+            draft = draft_path(self.drafts.spec)    # counted as `omlx --draft` counts it
+            estimate = fit_estimate(path, self.ctx, self.kv_wanted, draft)
+            check = does_not_fit(request.spec, path, estimate, draft)
+            if check is not None and not request.force:
+                self.loadNeedsConfirmation.emit(check)
                 return
             engine = Engine.load(path, progress=lambda s, f: self.loadProgress.emit(s, float(f)))
             engine.speculate = self.speculate

@@ -3,12 +3,15 @@ loaded for the loaded model and every model loaded after it (engine.speculate.lo
 vocabulary checked) and set on the engine (Engine.set_draft). A draft model that cannot draft
 for the loaded model (another vocabulary, a bad file) is refused and the one before it stays;
 at a model load it is dropped (the window shows why). Its caches follow the loaded model's KV
-setting at every answer (speculate.drafter_for).
+setting at every answer (speculate.drafter_for). One picked while a model is loaded that does
+not fit in memory beside it (engine.fit, as `omlx --draft` counts it) is asked about first
+(``draftNeedsConfirmation``), unless the SetDraft is forced.
 """
 
 from __future__ import annotations
 
 from .protocol import DraftApplied, SetDraft
+from .worker_fit import does_not_fit, draft_path, fit_estimate
 from .worker_host import WorkerHost, failure_of, log
 
 
@@ -24,6 +27,13 @@ class DraftRequests:
             self.spec = request.spec
             self.w.draftApplied.emit(DraftApplied(self.spec))
             return
+        if request.spec and not request.force:
+            draft = draft_path(request.spec)
+            estimate = fit_estimate(engine.path, self.w.ctx, self.w.kv_wanted or engine.kv_config, draft)
+            check = does_not_fit(request.spec, engine.path, estimate, draft)
+            if check is not None:   # the window asks; the draft model before it stays meanwhile
+                self.w.draftNeedsConfirmation.emit(check)
+                return
         try:
             draft = self._load(engine, request.spec)
         except Exception as exc:    # the draft model before it stays

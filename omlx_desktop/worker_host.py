@@ -35,6 +35,8 @@ class WorkerHost(Protocol):
     engine: object | None           # engine.engine.Engine, None while none is loaded
     session: object | None          # engine.session.Session or engine.remote.RemoteSession
     conv: int | None
+    ctx: int | None                 # the wanted context (None: the model's)
+    kv_wanted: object | None        # the wanted KVConfig (None: the default preset)
     abort: threading.Event
     error: SignalInstance
     documentProgress: SignalInstance
@@ -49,6 +51,7 @@ class WorkerHost(Protocol):
     arithCostReady: SignalInstance
     arithCostFailed: SignalInstance
     draftApplied: SignalInstance
+    draftNeedsConfirmation: SignalInstance
 
     def check_conv(self, conv: int) -> None: ...
 

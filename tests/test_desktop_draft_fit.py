@@ -1,0 +1,105 @@
+"""The window's memory check with a draft model chosen (Chat → Draft model), on the real SmolLM2
+offscreen, drafting for it with a copy of itself: a budget (OMLX_MEMORY_LIMIT) the model fits in
+alone but not with the draft model asks before drafting with one picked while the model is
+loaded, and before loading the model with one chosen, naming both; the estimate is engine.fit's
+with the draft model counted, as `omlx --draft` counts it. Declined, the draft model (or the
+model) before it stays; said yes to, it drafts (or loads) anyway."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from engine import fit  # noqa: E402
+from omlx_desktop.fit_question import fit_question  # noqa: E402
+
+from .qt_wait import wait_until  # noqa: E402
+from .test_desktop_chat import open_window  # noqa: E402
+
+
+@pytest.fixture
+def draft(tmp_path, smollm2_path) -> Path:
+    path = tmp_path / "smollm2-draft.gguf"  # SmolLM2 drafting for itself, under another name
+    try:
+        os.link(smollm2_path, path)
+    except OSError:  # another file system
+        shutil.copyfile(smollm2_path, path)
+    return path
+
+
+@pytest.fixture
+def window(qapp, tmp_path, smollm2_path, monkeypatch):
+    monkeypatch.delenv(fit.MEMORY_LIMIT_ENV, raising=False)
+    yield from open_window(tmp_path / "data", smollm2_path)
+
+
+def test_a_draft_model_that_does_not_fit_beside_the_model_is_asked_about(window, draft, smollm2_path,
+                                                                         monkeypatch):
+    asked = {"load": [], "draft": []}
+    answer = {"load": False, "draft": False}
+
+    def asker(kind):
+        def ask(check):
+            asked[kind].append(check)
+            return answer[kind]
+        return ask
+
+    monkeypatch.setattr(window.models, "ask_load_anyway", asker("load"))
+    monkeypatch.setattr(window.draft_menu, "ask_draft_anyway", asker("draft"), raising=False)
+    applied: list = []
+    window.draft_menu.applied.connect(applied.append)
+    settings = window.kv_panel.settings()
+    alone = fit.estimate_file(smollm2_path, settings["ctx"], settings["spec"], available=1)
+    pair = fit.estimate_file(smollm2_path, settings["ctx"], settings["spec"], available=1, draft=draft)
+    assert pair.draft_bytes > 0 and pair.total_bytes == alone.total_bytes + pair.draft_bytes
+    limit = (alone.total_bytes + pair.total_bytes) // 2  # the model alone fits, the pair does not
+    monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, str(limit))
+
+    # picked while the model is loaded: asked first, naming both; declined, no draft model
+    window.draft_menu.choose(str(draft))
+    wait_until(lambda: asked["draft"] or applied, what="the question")
+    (check,) = asked["draft"]
+    assert not applied and not asked["load"]
+    assert check.spec == str(draft) and Path(check.draft).name == draft.name
+    assert check.path == str(smollm2_path) and check.verdict == fit.DOES_NOT_FIT
+    assert check.total_bytes == pair.total_bytes and check.available_bytes == limit
+    assert "draft model" in check.summary
+    box = fit_question(window, check, drafting=True)
+    assert f"{smollm2_path.name} with the draft model {draft.name} probably does not fit" in box.text()
+    assert "Together they need about" in box.informativeText()
+    assert box.button(box.StandardButton.Yes).text() == "Draft anyway"
+    assert window.draft_menu.checked() == "None" and window.store.get_setting("draft_model", "") == ""
+    assert draft.name in window.statusBar().currentMessage()
+
+    # said yes to: it drafts
+    answer["draft"] = True
+    window.draft_menu.choose(str(draft))
+    wait_until(lambda: applied, what="the draft model")
+    assert len(asked["draft"]) == 2 and applied[0].failure is None and applied[0].name
+    assert window.draft_menu.spec == str(draft)
+
+    # a load with the draft model chosen counts it: asked, naming both; declined, nothing loads
+    loaded: list = []
+    window.modelLoaded.connect(loaded.append)
+    window.load_model(str(smollm2_path))
+    wait_until(lambda: asked["load"] and window.models.loading is None, what="the load's question")
+    (check,) = asked["load"]
+    assert Path(check.draft).name == draft.name and check.total_bytes == pair.total_bytes
+    box = window.models.fit_question(check)
+    assert f"{smollm2_path.name} with the draft model {draft.name} probably does not fit" in box.text()
+    assert box.button(box.StandardButton.Yes).text() == "Load anyway"
+    assert not loaded and window.model_info is not None  # the model before it stays
+    assert draft.name in window.statusBar().currentMessage()
+
+    # with no draft model the same budget loads it without asking
+    window.draft_menu.choose("")
+    wait_until(lambda: len(applied) == 2, what="no draft model")
+    window.load_model(str(smollm2_path))
+    wait_until(lambda: loaded or window.errors, what="the load")
+    assert len(asked["load"]) == 1 and loaded[0]["fit_verdict"] != fit.DOES_NOT_FIT
