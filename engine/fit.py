@@ -156,17 +156,14 @@ def _dense_copy_bytes(gguf) -> int:
 
 def _draft_bytes(draft, ctx: int, config, main_types: set) -> int:
     """What the draft model in the open GGUFFile ``draft`` adds at ``ctx`` tokens of the main
-    model's KV config ``config`` (see the module docstring)."""
-    from .kv.config import estimate_bytes
+    model's KV config ``config`` (see the module docstring): its own estimate's weights,
+    tokenizer and KV (at most its own context), and the kernels of its other weight types."""
     from .models import model_args
     from .speculate import draft_kv
 
-    model = model_args(draft)
-    g = model.kv_geometry()
-    kv = estimate_bytes(draft_kv(config, model), g.n_layers, g.n_kv_heads, g.head_dim,
-                        min(ctx, model.context_length), g.value_dim, windows=list(g.windows))["total"]
-    return (int(draft.file_size) + _dense_copy_bytes(draft) + TOKENIZER_BYTES_PER_ENTRY * int(model.vocab_size)
-            + int(kv) + KERNEL_BYTES_PER_WEIGHT_TYPE * len(_weight_types(draft) - main_types))
+    own = estimate(draft, ctx, draft_kv(config, model_args(draft)), available=0)
+    return (own.weights_bytes + own.tokenizer_bytes + own.kv_bytes
+            + KERNEL_BYTES_PER_WEIGHT_TYPE * len(_weight_types(draft) - main_types))
 
 
 def estimate(gguf, ctx: int | None = None, kv=None, available: int | None = None, draft=None) -> FitEstimate:
