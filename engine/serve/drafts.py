@@ -84,11 +84,11 @@ class Drafts:
             drafts.append(draft)
         return drafts
 
-    def gauges(self, metrics) -> None:
+    def gauges(self, metrics, budget) -> None:
+        """The draft model's KV gauges; its pools have the KV budget's blocks (`start`)."""
         if self.model is not None and self.model.prefix is not None:
             metrics.draft_kv_bytes_in_use.set(self.model.prefix.nbytes)
-            metrics.draft_kv_bytes_capacity.set(sum(p.max_blocks * (p.k_row_bytes + p.v_row_bytes)
-                                                    for p in self.model.prefix.pools))
+            metrics.draft_kv_bytes_capacity.set(budget.capacity_bytes(self.model.prefix))
 
 
 class ModelDrafts:

@@ -632,7 +632,7 @@ class Scheduler:
         m.kv_bytes_in_use.set(self.prefix.nbytes)
         m.kv_bytes_allocated.set(self.prefix.capacity_bytes)
         m.kv_bytes_capacity.set(self.budget.capacity_bytes(self.prefix))
-        self.drafting.gauges(m)
+        self.drafting.gauges(m, self.budget)
         if self.saver is not None:
             saves = m.prefix_saves
             saves["written"].set(self.saver.saved)
