@@ -29,6 +29,9 @@ PEAK_SCRIPT = textwrap.dedent("""
 
     path, n, kv = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     engine = Engine.load(path, kv=kv)
+    if len(sys.argv) > 4:  # a draft model drafting every token (--draft)
+        from engine.speculate import load_draft
+        engine.set_draft(load_draft(engine, sys.argv[4]))
     ids = (np.arange(n - 4) % 1000 + 100).tolist()  # n - 4 prompt tokens, then 4 decoded
     result = engine.generate(ids, max_tokens=4, sampling=SamplingParams())
     assert result.stats.prompt_tokens == n - 4
@@ -123,6 +126,20 @@ def test_estimate_within_15_percent_of_measured_peak_rss(name, n_tokens, kv, smo
         assert proc.returncode == 0, proc.stderr
     measured = json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss"]
     estimated = fit.estimate_file(path, n_tokens, kv).total_bytes
+    assert abs(estimated - measured) <= 0.15 * measured, (
+        f"estimate {estimated / MiB:.0f} MiB vs measured peak {measured / MiB:.0f} MiB")
+
+
+@pytest.mark.slow  # two fresh processes
+def test_estimate_with_a_draft_model_within_15_percent_of_measured_peak_rss(smollm2_path):
+    """The draft model's share of the estimate (`fit._draft_bytes`), measured: SmolLM2 drafting
+    for itself, 1,024 tokens, K6V4."""
+    for _ in range(2):  # the second run measured, as above
+        proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(smollm2_path), "1024", "balanced",
+                               str(smollm2_path)], capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss"]
+    estimated = fit.estimate_file(smollm2_path, 1024, "balanced", draft=smollm2_path).total_bytes
     assert abs(estimated - measured) <= 0.15 * measured, (
         f"estimate {estimated / MiB:.0f} MiB vs measured peak {measured / MiB:.0f} MiB")
 
