@@ -152,8 +152,12 @@ class DraftModel:
         """Trim the cache back to its longest common prefix with `history` and return the history's
         tokens it has yet to take (at least the last, fed again for its logits); the caller feeds
         them and adds them to `held`."""
-        common = 0
-        for a, b in zip(self.held, history):
+        # a step's history differs from what the cache holds only in its last few tokens (the
+        # rejected draft): all but those compared in one C-level list comparison, not a Python
+        # loop over the whole conversation every step (exact: a mismatch there walks it all)
+        skip = max(0, min(len(self.held), len(history)) - 2 * (self.max_draft + 1))
+        common = skip if skip and self.held[:skip] == list(history[:skip]) else 0
+        for a, b in zip(self.held[common:], history[common:]):
             if a != int(b):
                 break
             common += 1

@@ -204,3 +204,31 @@ def test_a_draft_models_kv_is_the_main_models_without_overrides_past_its_layers(
     assert draft_kv(tuned, SimpleNamespace(n_layers=6)) == tuned
     small = draft_kv(tuned, SimpleNamespace(n_layers=2))  # no layer 5: the base spec, its options kept
     assert small == KVConfig.parse("k4v4") and small.block_size == tuned.block_size
+
+
+def test_a_draft_models_cache_follows_the_history_it_is_shown(tmp_path):
+    """DraftModel.sync trims its cache back to the longest common prefix with the history and
+    returns what it still lacks: a rejected draft at the end, a history changed early (the whole
+    comparison, not only its tail), a history that only grew."""
+    from engine.speculate import DraftModel
+
+    from .tiny_gguf import write_tiny_model
+
+    engine = Engine.load(write_tiny_model(tmp_path / "tiny.gguf", context_length=512), kv="full")
+    drafter = DraftModel(engine, max_draft=3)
+    history = [int(t) for t in np.arange(60) % 50 + 5]
+
+    def held(ids):  # feed what sync asks for, as the drafting callers do
+        feed = drafter.sync(ids)
+        engine.prefill(feed, drafter.cache)
+        drafter.held.extend(feed)
+        return feed
+
+    assert held(history) == history and drafter.cache.offset == 60
+    drafter.held.extend([7, 8]), engine.model.forward([7, 8], drafter.cache, "last")  # a draft's rows
+    assert held(history + [9]) == [9]  # 7, 8 rejected: trimmed, and the new token fed
+    assert drafter.cache.offset == 61 and drafter.held == history + [9]
+    changed = [99] + history[1:] + [9]  # a different first token: everything again
+    assert held(changed) == changed and drafter.held == changed and drafter.cache.offset == 61
+    assert drafter.sync(changed + [10, 11]) == [10, 11]  # grown: only the new tokens
+    assert drafter.sync(changed) == [9] and drafter.cache.offset == 60  # the last fed again, for its logits
