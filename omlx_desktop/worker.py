@@ -41,7 +41,7 @@ from .protocol import (
 )
 from .worker_documents import DocumentRequests
 from .worker_draft import DraftRequests
-from .worker_fit import does_not_fit, draft_path, fit_estimate
+from .worker_fit import default_context, does_not_fit, draft_path, fit_estimate
 from .worker_host import failure_of, log
 from .worker_tuning import TuningRequests
 
@@ -259,7 +259,7 @@ class EngineWorker(QObject):
             arith_error = self.tuning.use_arith(engine)
             # all of the new model's description before it replaces the loaded one: a failure
             # here leaves the previous model (and its conversation) answering
-            info = replace(model_info(engine, self._max_ctx(engine)), arith_error=arith_error)
+            info = replace(model_info(engine, self.max_ctx(engine)), arith_error=arith_error)
             if estimate is not None:
                 info = replace(info, fit_verdict=estimate.verdict, fit_summary=estimate.summary())
         except Exception as exc:
@@ -440,18 +440,10 @@ class EngineWorker(QObject):
         self.documentsChanged.emit(self.docs.documents_of(conv))
         self.conversationOpened.emit(conv)
 
-    def _max_ctx(self, engine=None) -> int:
+    def max_ctx(self, engine=None) -> int:
         """The largest context for ``engine`` (default: the loaded one): its own, capped by what
-        fits in memory at the wanted KV setting (engine.fit)."""
-        from engine import fit
-        from engine.errors import SettingsError
-
-        gguf = (engine or self.engine).gguf
-        try:
-            return fit.default_context(gguf, self.kv_wanted)
-        except SettingsError as exc:  # a setting for another model's layers: the default's estimate
-            log.info("no context estimate at %s: %s", self.kv_wanted, exc)
-            return fit.default_context(gguf, None)
+        fits in memory at the wanted KV setting beside the wanted draft model (engine.fit)."""
+        return default_context((engine or self.engine).gguf, self.kv_wanted, draft_path(self.drafts.spec))
 
     def whole_ctx(self, n_tokens: int) -> int:
         """A context that holds the pinned whole documents plus one of ``n_tokens`` read whole,
@@ -464,7 +456,7 @@ class EngineWorker(QObject):
             return 0
         needed = s.context_for_whole(n_tokens)
         needed = -(-needed // fit.CONTEXT_STEP) * fit.CONTEXT_STEP
-        return needed if s.ctx < needed <= self._max_ctx() else 0
+        return needed if s.ctx < needed <= self.max_ctx() else 0
 
     def check_conv(self, conv: int) -> None:
         from engine.errors import EngineError

@@ -1,6 +1,7 @@
 """The engine worker's memory check before a load and before a draft model is chosen: engine.fit's
 estimate (with the chosen draft model counted as `omlx --draft` counts it) and the FitCheck the
-window asks the user with when it does not fit.
+window asks the user with when it does not fit; and the default context, the draft model counted
+the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +27,38 @@ def fit_estimate(path, ctx: int | None, kv, draft=None):
     except Exception as exc:
         log.info("no memory estimate for %s%s: %s", path, f" with {draft}" if draft else "", exc)
         return None
+
+
+def default_context(gguf, kv, draft=None) -> int:
+    """engine.fit's default context for the open GGUFFile ``gguf`` at KVConfig ``kv`` (None: the
+    default preset; one for another model's layers: the default's), beside the draft model at the
+    path ``draft`` if given. A draft model that cannot be read is not counted: drafting with it
+    says why."""
+    from engine.errors import ModelError
+    from engine.gguf_file import GGUFFile
+
+    if draft is None:
+        return _default_context(gguf, kv, None)
+    try:
+        draft_gguf = GGUFFile(draft)
+        try:
+            return _default_context(gguf, kv, draft_gguf)
+        finally:
+            draft_gguf.close()
+    except ModelError as exc:
+        log.info("the default context without the draft model %s: %s", draft, exc)
+        return _default_context(gguf, kv, None)
+
+
+def _default_context(gguf, kv, draft_gguf) -> int:
+    from engine import fit
+    from engine.errors import SettingsError
+
+    try:
+        return fit.default_context(gguf, kv, draft=draft_gguf)
+    except SettingsError as exc:  # a setting for another model's layers: the default's estimate
+        log.info("no context estimate at %s: %s", kv, exc)
+        return fit.default_context(gguf, None, draft=draft_gguf)
 
 
 def draft_path(spec: str) -> str | None:

@@ -103,3 +103,23 @@ def test_a_draft_model_that_does_not_fit_beside_the_model_is_asked_about(window,
     window.load_model(str(smollm2_path))
     wait_until(lambda: loaded or window.errors, what="the load")
     assert len(asked["load"]) == 1 and loaded[0]["fit_verdict"] != fit.DOES_NOT_FIT
+
+
+def test_a_draft_model_that_cannot_be_read_is_left_out_of_the_default_context(draft, smollm2_path, tmp_path,
+                                                                             monkeypatch):
+    """The worker's default context counts a draft model it can read; a damaged one is left out
+    (the load goes on, and drafting with it says why) rather than failing the load."""
+    from engine.gguf_file import GGUFFile
+    from omlx_desktop.worker_fit import default_context
+
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(b"GGUF" + bytes(60))
+    alone = fit.estimate_file(smollm2_path, None, None, available=1)
+    pair = fit.estimate_file(smollm2_path, None, None, available=1, draft=draft)
+    monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, str(int((alone.total_bytes + pair.total_bytes) / 2 / fit.TIGHT_FRACTION)))
+    gguf = GGUFFile(smollm2_path)
+    try:
+        assert default_context(gguf, None) == default_context(gguf, None, str(damaged)) == alone.ctx
+        assert default_context(gguf, None, str(draft)) == fit.default_context_file(smollm2_path, draft=draft) < alone.ctx
+    finally:
+        gguf.close()

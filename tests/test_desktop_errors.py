@@ -73,7 +73,7 @@ def assert_banner_without_traceback(window: MainWindow, *words: str) -> None:
 
 def test_an_unexpected_error_while_loading_ends_the_load_and_the_previous_model_answers(
         window, smollm2_path, monkeypatch):
-    def broken(*_args, **_kwargs):     # runs in the worker thread, inside the load's _max_ctx
+    def broken(*_args, **_kwargs):     # runs in the worker thread, inside the load's max_ctx
         raise AttributeError("module 'engine.models.qwen2' has no attribute 'ModelArgs'")
 
     before = window.model_info
@@ -92,7 +92,7 @@ def test_an_unexpected_error_while_loading_ends_the_load_and_the_previous_model_
     window.banner.details_button.click()
     assert window.banner.details_label.isVisible()
     logged = log_path.read_text()
-    assert "Traceback" in logged and "in _max_ctx" in logged and "ModelArgs" in logged
+    assert "Traceback" in logged and "in max_ctx" in logged and "ModelArgs" in logged
 
     assert answer(window, "Say hi.")["state"] == "complete"    # the previous model answers
 
