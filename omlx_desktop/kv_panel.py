@@ -400,6 +400,18 @@ class KVPanel(QWidget):
         if self.setting.preset == AUTO and self.tuner.profile is None and not self.setting.hp:
             self._request_profile()
 
+    def set_default_ctx(self, ctx: int) -> None:
+        """The loaded model's default context anew (e.g. beside another draft model): the
+        context, unless the user chose one."""
+        if self._ctx_chosen or ctx == self.ctx_spin.value():
+            return
+        self._updating = True
+        try:
+            self.ctx_spin.setValue(ctx)
+        finally:
+            self._updating = False
+        self._changed()
+
     # -- user actions ---------------------------------------------------------------------
     def select_preset(self, name: str) -> None:
         """As choosing it in the box: a preset sets both sliders, clears per-layer precision

@@ -8,7 +8,8 @@
 
 While a fetch runs ``fetch_cancel`` is its Event; while a load runs ``loading`` is its spec;
 ``model_info`` is the loaded model's description (None before the first load). The KV panel's
-settings reach the worker from here too: they depend on the model (its layers, its context).
+settings reach the worker from here too: they depend on the model (its layers, its context, and
+its default context beside the draft model in use, again at every draft model applied).
 
 Which source the app comes back on: a local load saves the file (setting ``last_model``); a
 connection to a server saves the endpoint (``remote_endpoint``: base URL, model id and whether an
@@ -40,7 +41,8 @@ from PySide6.QtWidgets import QFileDialog, QMessageBox
 from .chart import format_bytes
 from .fit_question import estimate_detail, fit_question, what_does_not_fit
 from .protocol import (
-    Configure, ConnectRemote, FetchModel, Failure, FitCheck, KVApplied, LoadModel, ModelInfo,
+    Configure, ConnectRemote, DraftApplied, FetchModel, Failure, FitCheck, KVApplied, LoadModel,
+    ModelInfo,
 )
 from .ui import APP_TITLE
 from .window_surface import WindowSurface
@@ -383,6 +385,14 @@ class ModelController(QObject):
         self.model_info.update(kv_spec=applied.kv_spec, kv_bytes_per_token=applied.kv_bytes_per_token)
         self.w.model_label.setText(model_text(self.model_info))
         self.w.statusBar().showMessage(f"KV cache now {applied.kv_spec}", 5000)
+
+    def on_draft_applied(self, applied: DraftApplied) -> None:
+        """The loaded model's default context beside the draft model now in use: the KV panel's
+        context, unless the user chose one."""
+        if self.w.closed or self.model_info is None or not applied.default_ctx:
+            return
+        self.model_info["default_ctx"] = applied.default_ctx
+        self.w.kv_panel.set_default_ctx(applied.default_ctx)
 
     def on_kv_settings_changed(self, settings: dict) -> None:
         self.w.store.set_setting("kv_panel", self.w.kv_panel.state())

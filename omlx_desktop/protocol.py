@@ -302,12 +302,14 @@ class ArithApplied:
 @dataclass(frozen=True)
 class DraftApplied:
     """The draft model in use after a SetDraft or a model load: its ``spec`` ("" for none) and
-    display ``name`` ("" until a model is loaded to draft for), and the failure when the one
-    asked for cannot draft (e.g. another vocabulary)."""
+    display ``name`` ("" until a model is loaded to draft for), the failure when the one
+    asked for cannot draft (e.g. another vocabulary), and the loaded model's ``default_ctx``
+    beside it (as ModelInfo's; 0: no model loaded)."""
 
     spec: str
     name: str = ""
     failure: Failure | None = None
+    default_ctx: int = 0
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,7 @@ class MainWindow(QMainWindow):
         w.loadFailed.connect(models.on_load_failed)
         w.loadNeedsConfirmation.connect(models.on_needs_confirmation)
         w.settingsApplied.connect(models.on_settings_applied)
+        w.draftApplied.connect(models.on_draft_applied)     # before the menu says it is applied
         w.switchCost.connect(self.kv_panel.show_switch_cost)
         w.tokens.connect(chat.on_tokens)
         w.prefillProgress.connect(chat.on_prefill_progress)

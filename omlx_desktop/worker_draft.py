@@ -5,7 +5,8 @@ for the loaded model (another vocabulary, a bad file) is refused and the one bef
 at a model load it is dropped (the window shows why). Its caches follow the loaded model's KV
 setting at every answer (speculate.drafter_for). One picked while a model is loaded that does
 not fit in memory beside it (engine.fit, as `omlx --draft` counts it) is asked about first
-(``draftNeedsConfirmation``), unless the SetDraft is forced.
+(``draftNeedsConfirmation``), unless the SetDraft is forced. Every answer while a model is loaded
+carries its default context beside the draft model in use (the worker's ``max_ctx``).
 """
 
 from __future__ import annotations
@@ -37,12 +38,11 @@ class DraftRequests:
         try:
             draft = self._load(engine, request.spec)
         except Exception as exc:    # the draft model before it stays
-            self.w.draftApplied.emit(DraftApplied(self.spec, self._name(engine), failure_of(
-                exc, f"drafting with {request.spec} failed")))
+            self._applied(engine, failure_of(exc, f"drafting with {request.spec} failed"))
             return
         engine.set_draft(draft)
         self.spec = request.spec
-        self.w.draftApplied.emit(DraftApplied(self.spec, self._name(engine)))
+        self._applied(engine)
 
     def use(self, engine) -> None:
         """At a model load: the wanted draft model set on `engine`, or dropped if it cannot draft
@@ -53,9 +53,9 @@ class DraftRequests:
             engine.set_draft(self._load(engine, self.spec))
         except Exception as exc:
             spec, self.spec = self.spec, ""
-            self.w.draftApplied.emit(DraftApplied("", "", failure_of(exc, f"drafting with {spec} failed")))
+            self._applied(engine, failure_of(exc, f"drafting with {spec} failed"))
             return
-        self.w.draftApplied.emit(DraftApplied(self.spec, self._name(engine)))
+        self._applied(engine)
 
     def _load(self, engine, spec: str):
         """The draft Engine of `spec` for `engine` (None for ""), the file loaded once."""
@@ -73,7 +73,7 @@ class DraftRequests:
         log.info("drafting with %s", draft.name)
         return draft
 
-    @staticmethod
-    def _name(engine) -> str:
+    def _applied(self, engine, failure=None) -> None:
         draft = engine.draft_engine
-        return "" if draft is None else draft.name
+        self.w.draftApplied.emit(DraftApplied(self.spec, "" if draft is None else draft.name, failure,
+                                              self.w.max_ctx(engine)))

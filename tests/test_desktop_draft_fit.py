@@ -3,7 +3,8 @@ offscreen, drafting for it with a copy of itself: a budget (OMLX_MEMORY_LIMIT) t
 alone but not with the draft model asks before drafting with one picked while the model is
 loaded, and before loading the model with one chosen, naming both; the estimate is engine.fit's
 with the draft model counted, as `omlx --draft` counts it. Declined, the draft model (or the
-model) before it stays; said yes to, it drafts (or loads) anyway."""
+model) before it stays; said yes to, it drafts (or loads) anyway. With no context chosen, the
+default context counts the draft model too."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def test_a_draft_model_that_does_not_fit_beside_the_model_is_asked_about(window,
     monkeypatch.setattr(window.draft_menu, "ask_draft_anyway", asker("draft"), raising=False)
     applied: list = []
     window.draft_menu.applied.connect(applied.append)
+    # a context the user chose: picking the draft model does not lower it to one where both fit
+    window.kv_panel.ctx_spin.setValue(window.kv_panel.ctx_spin.value() - fit.CONTEXT_STEP)
     settings = window.kv_panel.settings()
     alone = fit.estimate_file(smollm2_path, settings["ctx"], settings["spec"], available=1)
     pair = fit.estimate_file(smollm2_path, settings["ctx"], settings["spec"], available=1, draft=draft)
@@ -103,6 +106,59 @@ def test_a_draft_model_that_does_not_fit_beside_the_model_is_asked_about(window,
     window.load_model(str(smollm2_path))
     wait_until(lambda: loaded or window.errors, what="the load")
     assert len(asked["load"]) == 1 and loaded[0]["fit_verdict"] != fit.DOES_NOT_FIT
+
+
+def test_the_default_context_counts_the_draft_model(window, draft, smollm2_path, monkeypatch):
+    """No context chosen: with a budget the model fits in alone at its whole context but the pair
+    only at less, picking the draft model lowers the context (the panel's, the worker's and the
+    model info's default) to engine.fit's default for the pair, a load with it chosen starts
+    there, and dropping it gives the whole context back; a context the user chose stays."""
+    asked: list = []
+    monkeypatch.setattr(window.models, "ask_load_anyway", lambda check: asked.append(check))
+    monkeypatch.setattr(window.draft_menu, "ask_draft_anyway", lambda check: asked.append(check),
+                        raising=False)
+    applied: list = []
+    window.draft_menu.applied.connect(applied.append)
+    panel = window.kv_panel
+    spec = panel.settings()["spec"]
+    alone = fit.estimate_file(smollm2_path, None, spec, available=1)
+    pair = fit.estimate_file(smollm2_path, None, spec, available=1, draft=draft)
+    limit = int((alone.total_bytes + pair.total_bytes) / 2 / fit.TIGHT_FRACTION)
+    whole = window.model_info["context_length"]
+    with_draft = fit.default_context_file(smollm2_path, spec, limit, draft=draft)
+    assert fit.default_context_file(smollm2_path, spec, limit) == whole > with_draft
+    assert window.model_info["default_ctx"] == panel.settings()["ctx"] == whole
+    monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, str(limit))
+
+    def choose(spec: str) -> None:
+        applied.clear()
+        window.draft_menu.choose(spec)
+        wait_until(lambda: applied, what=f"the draft model {spec!r}")
+        assert applied[0].failure is None
+
+    def assert_ctx(ctx: int) -> None:
+        assert panel.settings()["ctx"] == window.model_info["default_ctx"] == ctx
+        wait_until(lambda: window.worker.ctx == ctx, timeout=30, what=f"the worker at {ctx} tokens")
+
+    choose(str(draft))
+    assert_ctx(with_draft)
+
+    # a load with the draft model chosen
+    loaded: list = []
+    window.modelLoaded.connect(loaded.append)
+    window.load_model(str(smollm2_path))
+    wait_until(lambda: len(applied) == 2 or window.errors, what="the load and its draft model")
+    assert loaded[0]["default_ctx"] == with_draft and applied[1].name
+    assert_ctx(with_draft)
+
+    choose("")
+    assert_ctx(whole)
+
+    # chosen by the user: it stays
+    panel.ctx_spin.setValue(whole - 512)
+    choose(str(draft))
+    assert panel.settings()["ctx"] == whole - 512 and window.model_info["default_ctx"] == with_draft
+    assert not asked
 
 
 def test_a_draft_model_that_cannot_be_read_is_left_out_of_the_default_context(draft, smollm2_path, tmp_path,
