@@ -181,6 +181,31 @@ def test_a_draft_model_counts_in_the_fit_check(smollm2_path, tmp_path, monkeypat
     assert f"{smollm2_path.name} with the draft model {draft.name} does not fit" in capsys.readouterr().err
 
 
+def test_ask_without_ctx_counts_the_draft_model_in_its_default_context(smollm2_path, tmp_path, monkeypatch,
+                                                                       capsys):
+    """`omlx ask --draft` without --ctx: the context is fit.default_context's with the draft model
+    counted, less than the model's whole context under a budget the model alone fits in at it."""
+    from engine import cli
+
+    draft = tmp_path / "smollm2-draft.gguf"
+    try:
+        os.link(smollm2_path, draft)
+    except OSError:  # another file system
+        shutil.copyfile(smollm2_path, draft)
+    alone = fit.estimate_file(smollm2_path, None, None, available=1)
+    pair = fit.estimate_file(smollm2_path, None, None, available=1, draft=draft)
+    limit = int((alone.total_bytes + pair.total_bytes) / 2 / fit.TIGHT_FRACTION)
+    with_draft = fit.default_context_file(smollm2_path, None, limit, draft=draft)
+    assert fit.default_context_file(smollm2_path, None, limit) == alone.ctx > with_draft
+    monkeypatch.setenv(fit.MEMORY_LIMIT_ENV, str(limit))
+
+    ask = ["-q", "ask", str(smollm2_path), "--question", "Hi", "--max-tokens", "1", "--json"]
+    assert cli.main(ask) == 0
+    assert json.loads(capsys.readouterr().out)["ctx"] == alone.ctx
+    assert cli.main([*ask, "--draft", str(draft)]) == 0
+    assert json.loads(capsys.readouterr().out)["ctx"] == with_draft
+
+
 def test_info_draft_says_whether_it_can_draft_and_the_pairs_memory(smollm2_path, gemma3_path, capsys,
                                                                    monkeypatch):
     """`omlx info MODEL --draft DRAFT`: the lines without --draft unchanged, then whether DRAFT
