@@ -310,12 +310,23 @@ def _tile_buffer(n_values: int) -> np.ndarray:
 PARALLEL_QUANTIZE_ROWS = 64
 
 
+_int_dot = None  # engine.kernels.int_dot once imported (on first use: it loads numba)
+
+
+def _import_int_dot():
+    global _int_dot
+    from .kernels import int_dot
+
+    _int_dot = int_dot
+    return int_dot
+
+
 def quantize_input(x: np.ndarray, form: str) -> np.ndarray:
     """x (T, in) float32 C-contiguous -> its activations for the integer kernels in `form`
     (`int_dot.ACTIVATION_FORMS`: 16-bit as i16 pairs or hi/lo bytes, or int8), long inputs on
     two threads: the same words either way (each row is quantized alone)."""
-    from .kernels import int_dot
-
+    # (an import statement here cost ~1 us a call, a third of quantizing a decode row)
+    int_dot = _int_dot or _import_int_dot()
     T = x.shape[0]
     if T < PARALLEL_QUANTIZE_ROWS:
         return int_dot.quantize_form(x, form)

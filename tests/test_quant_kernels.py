@@ -385,6 +385,7 @@ def test_pool_keeps_what_a_job_with_stolen_chunks_reads():
     assert pool.run_job(mv.compute, mv.raw, x, y, 16, 16, keep=stolen_owner)
     assert_product_close(y, x, w)
     assert any(held is stolen_owner for held, _ in pool._raws.values())
+    assert any(held is mv.raw for held, _ in pool._raws.values())  # the stalled worker reads it
     pool.serial_until = 0.0
     y2 = np.full((2, 640), np.nan, np.float32)
     assert pool.run_job(mv.compute, mv.raw, x, y2, 16, 10**9, keep=clean_owner)

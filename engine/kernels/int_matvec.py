@@ -47,6 +47,7 @@ from numba.extending import intrinsic
 
 from . import int_dot
 from .int_dot import IntIR
+from .pool import BUF_VALUES, CHUNK_BYTES, COMPUTE_SIG, MAX_CHUNKS, readonly, run_rows
 from .vector_ir import F16, F32, I8, I32, I64, VectorIR, data_pointer, f32_pointer, u8_pointer, vector_type
 
 log = logging.getLogger("omlx.kernels")
@@ -994,8 +995,6 @@ def compute_address(ggml_type, isa: str, fast: bool = False) -> int:
         with _cfunc_lock:
             fn = _cfuncs.get(key)
             if fn is None:
-                from .pool import COMPUTE_SIG
-
                 py = (_COMPUTE_FAST_PY if fast else _COMPUTE_PY)[ggml_type, isa]
                 fn = _cfuncs[key] = cfunc(COMPUTE_SIG, nogil=True, cache=True)(py)
     return fn.address
@@ -1008,8 +1007,6 @@ class IntMatvec:
     __slots__ = ("ggml_type", "isa", "packed", "n_rows", "in_features", "compute", "compute_fast", "chunk", "form")
 
     def __init__(self, ggml_type, raw: np.ndarray, in_features: int, isa: str, packed: np.ndarray | None = None):
-        from .pool import CHUNK_BYTES, MAX_CHUNKS, readonly
-
         if not supports(ggml_type, raw.shape[0], in_features) or isa not in int_dot.ISA_LANES:
             raise ValueError(f"no integer kernel for {ggml_type.name} ({raw.shape[0]} x {in_features}) on {isa}")
         self.ggml_type, self.isa = ggml_type, isa
@@ -1028,8 +1025,6 @@ class IntMatvec:
         """x C-contiguous float32 (T, in_features) -> out (T, rows), C-contiguous. fast: int8
         activations (`int_dot.quantize_activations_fast`), else 16-bit (in `self.form`). xw: x
         already quantized that way (several matrices reading one input quantize it once)."""
-        from .pool import BUF_VALUES, run_rows
-
         if fast:
             if self.compute_fast is None:
                 self.compute_fast = compute_address(self.ggml_type, self.isa, True)
@@ -1041,9 +1036,13 @@ class IntMatvec:
         # the pool shares a job of at most BUF_VALUES outputs per chunk: a long prompt goes in
         # slices of rows of x (the kernels compute a row the same in any batch, so slicing changes
         # no bit)
+        T = x.shape[0]
         step = max(1, BUF_VALUES // self.chunk)
-        for t0 in range(0, x.shape[0], step):
-            t1 = min(t0 + step, x.shape[0])
+        if T <= step:  # (a decode step, a batch: no slices to make)
+            run_rows(compute, self.packed, xw, out, self.chunk, self.chunk * self.packed.shape[1] * T)
+            return out
+        for t0 in range(0, T, step):
+            t1 = min(t0 + step, T)
             run_rows(compute, self.packed, xw[t0:t1], out[t0:t1], self.chunk,
                      self.chunk * self.packed.shape[1] * (t1 - t0))
         return out

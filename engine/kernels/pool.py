@@ -342,10 +342,10 @@ class _Pool:
         self.states = np.zeros(_MAX_CHUNKS, dtype=np.int64)
         self.xbuf = np.zeros(1 << 14, dtype=np.float32)
         self._old_xbufs = []  # kept: a late worker may still read one
-        # The matrices of recent jobs (id → (raw, last use)), each kept RAW_RETAIN_S after its
-        # last job: a worker the OS preempted in a chunk the caller then took over may read the
-        # blocks after the call returned, when the model that owned them may be gone (its file
-        # unmapped: a segfault in the worker).
+        # The matrices of recent jobs that had a chunk stolen (id → (raw, last use)), each kept
+        # RAW_RETAIN_S after its last such job: a worker the OS preempted in a chunk the caller
+        # then took over may read the blocks after the call returned, when the model that owned
+        # them may be gone (its file unmapped: a segfault in the worker).
         self._raws: dict[int, tuple[np.ndarray, float]] = {}
         self._raws_pruned = time.monotonic()
         self.n_workers = n_workers
@@ -381,7 +381,6 @@ class _Pool:
                 if time.monotonic() < self.serial_until:
                     return False
                 self.serial_until = 0.0
-            self._keep(raw)
             if self.parked:
                 self.kick()
             grace = int(self.grace_per_byte * chunk_bytes)
@@ -389,6 +388,9 @@ class _Pool:
                                      chunk, grace, self.n_workers + 1)
             self.jobs += 1
             if stolen:
+                # only the worker of a stolen chunk may read on after the job (every other chunk
+                # was done, its worker finished with raw, when _pool_matvec returned)
+                self._keep(raw)
                 if keep is not None:
                     self._keep(keep)
                 self.steals += 1
