@@ -38,6 +38,7 @@ from .pool import LayerBlockPool
 
 if HAVE_NUMBA:
     from ..kernels import kv_codes
+    from ..kernels import pool as work_pool
 
 # Queries per KV head (query heads per KV head × new tokens) up to which the packed-code kernels
 # are used; larger prefill batches dequantize the old blocks once and use BLAS.
@@ -355,8 +356,6 @@ class DecodeKernel:
         without attention-mass tracking), from one compiled call whose rows the weight kernels'
         thread pool shares out (`kv_codes.decode_rows_address`); each output equals the view's
         own `attend`. head_parts: each sequence as that many rows of consecutive KV heads."""
-        from ..kernels import pool as work_pool
-
         n = len(views)
         Hkv, G, D = views[0].query.shape
         Dv = self.value_dim

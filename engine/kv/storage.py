@@ -265,11 +265,11 @@ class PagedLayerCache(LayerKVCache):
     def row_addresses(self) -> tuple[np.ndarray, np.ndarray]:
         """Addresses of the K and V pool rows of the block table (`kv_codes.row_addresses`),
         cached until the table or the pool's slabs change."""
-        from ..kernels import kv_codes
-
         pool = self.pool
         key = (tuple(self.block_table), len(pool.k_slabs))
         if self._rows_key != key:
+            from ..kernels import kv_codes  # (here, not per call: an import statement costs ~1 us)
+
             self._rows = (kv_codes.row_addresses(pool.k_slabs, pool.slab_blocks, self.block_table),
                           kv_codes.row_addresses(pool.v_slabs, pool.slab_blocks, self.block_table))
             self._rows_key = key
