@@ -353,6 +353,41 @@ def products(layers, x: np.ndarray) -> list:
     return out
 
 
+class LinearGroup:
+    """Layers that read one input (q, k and v; gate and up): `group(x)` is `products(layers, x)`,
+    bit for bit. A decode step's or a batch's rows (up to QuantLinear.MATVEC_MAX_ROWS) go to all
+    of them in one pool job when every layer takes the integer kernels the same way
+    (`int_matvec.IntMatvecGroup`: each product's hand-off between threads cost about what a
+    small model's k or v product computes)."""
+
+    def __init__(self, layers):
+        self.layers = tuple(layers)
+        self._joint = None
+        if len(self.layers) > 1 and all(isinstance(lin, QuantLinear) and lin._int is not None for lin in self.layers):
+            from .kernels import int_matvec
+
+            matvecs = [lin._int for lin in self.layers]
+            if len({(m.in_features, m.isa, m.form) for m in matvecs}) == 1:
+                self._joint = int_matvec.IntMatvecGroup(matvecs)
+                self._spans = [(a, b) for a, b in zip(self._joint.bounds, self._joint.bounds[1:])]
+                # rows of x the pool shares in one job (more run alone: as separate products)
+                self._joint_rows = min(QuantLinear.MATVEC_MAX_ROWS, int_matvec.BUF_VALUES // self._joint.chunk)
+
+    def __call__(self, x: np.ndarray) -> list:
+        joint = self._joint
+        if (joint is not None and type(x) is np.ndarray and x.ndim == 2 and x.dtype == np.float32
+                and x.flags.c_contiguous and 0 < x.shape[0] <= self._joint_rows):
+            fast = self.layers[0].fast
+            if all(lin.fast == fast for lin in self.layers):  # (Engine.set_arith switches them all)
+                T = x.shape[0]
+                y = joint(quantize_input(x, "fast" if fast else joint.form), np.empty((T, joint.n_rows), np.float32),
+                          fast)
+                if T == 1:  # one row: each layer's columns are a contiguous view
+                    return [y[:, a:b] for a, b in self._spans]
+                return [np.ascontiguousarray(y[:, a:b]) for a, b in self._spans]
+        return products(self.layers, x)
+
+
 class QuantLinear:
     """y = x @ W.T computed from W's quantized GGUF blocks, W (out_features, in_features).
 

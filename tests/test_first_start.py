@@ -66,8 +66,9 @@ def test_warm_up_compiles_only_the_types_asked_for():
 
 def test_integer_kernels_load_from_the_disk_cache_in_a_second_process(tmp_path):
     """The integer kernels are made at import from `INT_TYPES` (not written out): a first process
-    with an empty cache compiles Q4_0's (exact and fast) and no other type's, a second one loads
-    them from numba's disk cache without compiling anything."""
+    with an empty cache compiles Q4_0's (exact and fast), and the layer groups' segment function,
+    and no other type's; a second one loads them from numba's disk cache without compiling
+    anything."""
     from engine.kernels import int_dot
 
     if int_dot.kernel_isa() == "float":
@@ -80,7 +81,7 @@ def test_integer_kernels_load_from_the_disk_cache_in_a_second_process(tmp_path):
         m.warm_up([QT.Q4_0], isa)
         m.warm_up([QT.Q4_0], isa, fast=True)
         loops = [n for n in dir(m) if n.startswith(("_irows_", "_frows_"))]
-        print(json.dumps({"hits": sorted(f.cache_hits for f in m._cfuncs.values()),
+        print(json.dumps({"hits": sorted(f.cache_hits for f in (*m._cfuncs.values(), m._segments_cfunc)),
                           "compiled": sorted(n for n in loops if getattr(m, n).signatures)}))
     """
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}
@@ -90,10 +91,11 @@ def test_integer_kernels_load_from_the_disk_cache_in_a_second_process(tmp_path):
         assert proc.returncode == 0, proc.stderr
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     isa = int_dot.kernel_isa()
-    assert runs[0] == {"hits": [0, 0], "compiled": [f"_frows_q4_0_{isa}", f"_irows_q4_0_{isa}"]}
-    assert runs[1] == {"hits": [1, 1], "compiled": []}
+    assert runs[0] == {"hits": [0, 0, 0], "compiled": [f"_frows_q4_0_{isa}", f"_irows_q4_0_{isa}"]}
+    assert runs[1] == {"hits": [1, 1, 1], "compiled": []}
     cached = {p.name.split("-")[0] for p in (tmp_path / "numba").rglob("int_matvec.*.nbi")}
-    assert cached == {f"int_matvec.{kind}_q4_0_{isa}" for kind in ("_c", "_cf", "_irows", "_frows")}
+    assert cached == ({f"int_matvec.{kind}_q4_0_{isa}" for kind in ("_c", "_cf", "_irows", "_frows")}
+                      | {"int_matvec._compute_segments"})
 
 
 def test_deferred_pool_gives_the_same_products(monkeypatch):

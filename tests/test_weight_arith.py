@@ -74,6 +74,32 @@ def test_layers_sharing_an_input_quantize_it_once_and_compute_what_each_does_alo
     assert np.array_equal(real(x, form).view(np.uint32), int_dot.quantize_form(x, form).view(np.uint32))
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_a_layer_group_is_one_pool_job_with_each_layers_bits(fast):
+    # q, k and v of mixed types (Q4_K_M files give v Q6_K) and sizes that do not fill a pool chunk:
+    # one job over their stacked rows (`IntMatvecGroup`) gives each layer's own product bit for bit
+    # at every row count, views of one output for a single row
+    shapes = ((QT.Q4_K, 96), (QT.Q4_K, 16), (QT.Q6_K, 48), (QT.Q8_0, 1024))
+    layers = [QuantLinear(blocks(qt, n, 512, seed=i), qt, n, 512) for i, (qt, n) in enumerate(shapes)]
+    for lin in layers:
+        lin.fast = fast
+    group = weights.LinearGroup(layers)
+    assert group._joint is not None and group._joint.n_rows == sum(n for _, n in shapes)
+    assert group._joint.chunk < group._joint.n_rows  # several chunks: the pool shares them
+    rng = np.random.default_rng(5)
+    for T in (1, 2, 5, 16, 17, 40):
+        x = rng.standard_normal((T, 512)).astype(np.float32)
+        together = group(x)
+        for lin, y in zip(layers, together):
+            assert y.shape == (T, lin.out_features) and y.flags.c_contiguous
+            assert np.array_equal(y.view(np.uint32), lin(x).view(np.uint32)), (T, lin.ggml_type, lin.out_features)
+    # layers on different paths (a float one among them) are no group: each computes alone
+    mixed = weights.LinearGroup(layers[:2] + [QuantLinear(blocks(QT.Q4_0, 32, 512), QT.Q4_0, 32, 512, arith="float")])
+    assert mixed._joint is None
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    assert all(np.array_equal(y, lin(x)) for lin, y in zip(mixed.layers, mixed(x)))
+
+
 def test_float_arithmetic_on_request_and_for_types_without_integer_kernels(monkeypatch):
     raw = blocks(QT.Q4_0, 32, 256)
     assert QuantLinear(raw, QT.Q4_0, 32, 256, arith="float").raw is not None

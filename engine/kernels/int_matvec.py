@@ -47,8 +47,9 @@ from numba.extending import intrinsic
 
 from . import int_dot
 from .int_dot import IntIR
-from .pool import BUF_VALUES, CHUNK_BYTES, COMPUTE_SIG, MAX_CHUNKS, readonly, run_rows
-from .vector_ir import F16, F32, I8, I32, I64, VectorIR, data_pointer, f32_pointer, u8_pointer, vector_type
+from .pool import BUF_VALUES, CHUNK_BYTES, COMPUTE_SIG, MAX_CHUNKS, call_compute, readonly, run_rows
+from .vector_ir import (F16, F32, I8, I32, I64, VectorIR, data_pointer, f32_pointer, i64_pointer, u8_pointer,
+                        vector_type)
 
 log = logging.getLogger("omlx.kernels")
 
@@ -1054,6 +1055,96 @@ class IntMatvec:
         return unpack_range(self.packed, self.ggml_type, start, stop)
 
 
+# ---------------------------------------------------------------------------------------------
+# Several matrices reading one x in one pool job
+# ---------------------------------------------------------------------------------------------
+# q, k and v (gate and up) of a layer read the same activations. As separate pool jobs each pays
+# the hand-off between threads and the Python around it, ~3 us, about what a decode step's k or v
+# product of a small model computes (SmolLM2's 192 x 576 Q4_1: ~1.5 us of blocks). One job over
+# their rows stacked (matrix i's rows at [start_i, stop_i) of a virtual matrix) runs each matrix's
+# own compute function on the part of a chunk that falls in it: every output is computed by the
+# same kernel from the same activations, so the bits are those of the separate products.
+# The job's "raw" is a segment table, passed by address as `kv_codes` passes its table of
+# sequences: (rows of the virtual matrix, 8) uint8, whose first int64 words are
+#     n, then per matrix: start, stop, compute function address, packed blocks' address, row bytes
+# (n <= rows / 16 matrices of 16 rows or more: the table fits).
+SEGMENT_FIELDS = 5
+
+
+def _compute_segments(table_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    """The pool's compute function (`pool.COMPUTE_SIG`) of a segment table: rows r0..r1-1 of the
+    virtual matrix into out's columns r - out_off, by the compute function of each matrix they
+    fall in."""
+    table = carray(i64_pointer(table_addr), (n_rows * row_bytes // 8,))
+    for i in range(table[0]):
+        f = 1 + SEGMENT_FIELDS * i
+        start, stop = table[f], table[f + 1]
+        a, b = max(r0, start), min(r1, stop)
+        if a < b:
+            call_compute(table[f + 2], table[f + 3], stop - start, table[f + 4], x_addr, T, K, out_addr, out_cols,
+                         out_off - start, a - start, b - start)
+
+
+_segments_cfunc = None
+
+
+def segments_address() -> int:
+    """The address of the compiled `_compute_segments` (compiled, or loaded from numba's disk cache,
+    on the first call)."""
+    global _segments_cfunc
+    if _segments_cfunc is None:
+        with _cfunc_lock:
+            if _segments_cfunc is None:
+                _segments_cfunc = cfunc(COMPUTE_SIG, nogil=True, cache=True)(_compute_segments)
+    return _segments_cfunc.address
+
+
+class IntMatvecGroup:
+    """IntMatvecs of one input width on one instruction set, as one product: out (T, their rows
+    summed), matrix i's outputs in columns bounds[i]..bounds[i + 1], each bit-identical to its
+    own product's."""
+
+    def __init__(self, matvecs):
+        matvecs = tuple(matvecs)
+        if len({(m.in_features, m.isa) for m in matvecs}) != 1:
+            raise ValueError("the matrices of a group read one input on one instruction set")
+        self.matvecs = matvecs
+        self.form = matvecs[0].form
+        self.bounds = [0]
+        for m in matvecs:
+            self.bounds.append(self.bounds[-1] + m.n_rows)
+        self.n_rows = self.bounds[-1]
+        self.chunk = min(m.chunk for m in matvecs)  # whole groups of GROUP rows, as each matrix's
+        self.chunk_bytes = self.chunk * max(m.packed.shape[1] for m in matvecs)
+        self._tables: dict[bool, np.ndarray] = {}  # fast -> segment table
+
+    def table(self, fast: bool) -> np.ndarray:
+        """The segment table of the exact or fast compute functions (the fast ones compiled on
+        their first use, as IntMatvec's)."""
+        table = self._tables.get(fast)
+        if table is None:
+            table = np.zeros((self.n_rows, 8), np.uint8)
+            words = table.reshape(-1).view(np.int64)
+            words[0] = len(self.matvecs)
+            for i, m in enumerate(self.matvecs):
+                if fast and m.compute_fast is None:
+                    m.compute_fast = compute_address(m.ggml_type, m.isa, True)
+                f = 1 + SEGMENT_FIELDS * i
+                words[f : f + SEGMENT_FIELDS] = (self.bounds[i], self.bounds[i + 1],
+                                                 m.compute_fast if fast else m.compute, m.packed.ctypes.data,
+                                                 m.packed.shape[1])
+            table = self._tables[fast] = readonly(table)
+        return table
+
+    def __call__(self, xw: np.ndarray, out: np.ndarray, fast: bool = False) -> np.ndarray:
+        """xw: the activations (T, words) of x quantized for these kernels (int8 when fast, else in
+        `self.form`), T * self.chunk <= BUF_VALUES to be shared -> out (T, n_rows) C-contiguous."""
+        # keep: what the table points at, held by the pool if a worker's chunk was stolen
+        run_rows(segments_address(), self.table(fast), xw, out, self.chunk, self.chunk_bytes * xw.shape[0],
+                 self.matvecs)
+        return out
+
+
 _warm: set = set()
 
 
@@ -1084,6 +1175,7 @@ def warm_up(ggml_types, isa: str, fast: bool = False) -> float:
         raw = np.zeros((GROUP, k // it.values * it.nbytes), np.uint8)
         IntMatvec(t, raw, k, isa)(x if k == 64 else np.zeros((1, k), np.float32), np.empty((1, GROUP), np.float32))
         _warm.add((t, isa))
+    segments_address()  # (IntMatvecGroup's; its calls take the types' own compute functions)
     seconds = time.perf_counter() - t0
     log.info("integer kernels (%s) for %s ready in %.2f s", isa, ", ".join(t.name for t in todo), seconds)
     return seconds

@@ -10,6 +10,7 @@ and compiles once (`warm_up_pool`; `defer_pool` lets a background thread do it w
 the calling thread).
 
 Public: `run_rows` (share a job), `run_here` (the calling thread alone), `COMPUTE_SIG`,
+`call_compute` (a compute function called by its address from compiled code),
 `BUF_VALUES` (the most outputs a shared chunk holds), `MAX_CHUNKS`, `CHUNK_BYTES` (the bytes of
 rows per chunk the weight kernels aim for), `readonly`, `kernel_threads`, `get_pool`,
 `defer_pool`, `warm_up_pool`.
@@ -51,6 +52,8 @@ def _call_compute(typingctx, fn, raw_addr, n_rows, row_bytes, x_addr, T, K, out_
 
     return sig, codegen
 
+
+call_compute = _call_compute  # (public: a compute function that runs others, `int_matvec.IntMatvecGroup`)
 
 
 # ---------------------------------------------------------------------------------------------

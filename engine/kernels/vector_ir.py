@@ -313,6 +313,7 @@ def _pointer_from_address(numba_type, ir_type):
 
 u8_pointer = _pointer_from_address(types.uint8, I8)
 f32_pointer = _pointer_from_address(types.float32, F32)
+i64_pointer = _pointer_from_address(types.int64, I64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 from ..gguf_file import GGUFFile
 from ..kernels.norms import apply_rope, rms_norm
 from ..kv.cache import KVCache, LayerKVCache
-from ..weights import WeightStore, products
+from ..weights import LinearGroup, WeightStore
 from .base import BaseModel, KVGeometry, gated, gelu_tanh, rope_freq_scale, rope_tables
 
 ARCH = "gemma3"
@@ -74,6 +74,7 @@ class Attention:
         self.attn_k = w.linear(f"{prefix}.attn_k.weight", args.n_kv_heads * hd, d)
         self.attn_v = w.linear(f"{prefix}.attn_v.weight", args.n_kv_heads * args.value_dim, d)
         self.attn_output = w.linear(f"{prefix}.attn_output.weight", d, args.n_heads * args.value_dim)
+        self.qkv = LinearGroup((self.attn_q, self.attn_k, self.attn_v))
         self.attn_q_norm = w.vector(f"{prefix}.attn_q_norm.weight", hd)
         self.attn_k_norm = w.vector(f"{prefix}.attn_k_norm.weight", hd)
         self.window = None if is_global else args.sliding_window
@@ -82,7 +83,7 @@ class Attention:
     def __call__(self, x: np.ndarray, rope, cache: LayerKVCache) -> np.ndarray:
         a = self.args
         T = x.shape[0]
-        q, k, v = products((self.attn_q, self.attn_k, self.attn_v), x)  # x quantized once
+        q, k, v = self.qkv(x)  # x quantized once
         q = q.reshape(T, a.n_heads, a.head_dim)  # (T, H, D)
         k = k.reshape(T, a.n_kv_heads, a.head_dim)  # (T, Hkv, D)
         v = v.reshape(T, a.n_kv_heads, a.value_dim)
@@ -99,9 +100,10 @@ class MLP:
         self.ffn_gate = w.linear(f"{prefix}.ffn_gate.weight", args.ffn_dim, args.dim)
         self.ffn_up = w.linear(f"{prefix}.ffn_up.weight", args.ffn_dim, args.dim)
         self.ffn_down = w.linear(f"{prefix}.ffn_down.weight", args.dim, args.ffn_dim)
+        self.gate_up = LinearGroup((self.ffn_gate, self.ffn_up))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        gate, up = products((self.ffn_gate, self.ffn_up), x)  # x quantized once
+        gate, up = self.gate_up(x)  # x quantized once
         return self.ffn_down(gated(gelu_tanh, gate, up))
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from ..gguf_file import GGUFFile
 from ..kernels.norms import rms_norm
 from ..kv.cache import KVCache, LayerKVCache
-from ..weights import WeightStore, products
+from ..weights import LinearGroup, WeightStore
 from .base import BaseModel, KVGeometry, Rope, gated, rope_freq_scale, silu
 
 ROPE_FREQS = "rope_freqs.weight"
@@ -78,6 +78,7 @@ class Attention:
         self.attn_k = w.linear(f"{prefix}.attn_k.weight", args.n_kv_heads * hd, d)
         self.attn_v = w.linear(f"{prefix}.attn_v.weight", args.n_kv_heads * hd, d)
         self.attn_output = w.linear(f"{prefix}.attn_output.weight", d, args.n_heads * hd)
+        self.qkv = LinearGroup((self.attn_q, self.attn_k, self.attn_v))
         # biases=True: required (missing is an error); None: used when present; False: never read.
         self.bias_q = self.bias_k = self.bias_v = None
         if biases or (biases is None and w.has(f"{prefix}.attn_q.bias")):
@@ -93,7 +94,7 @@ class Attention:
     def __call__(self, x: np.ndarray, rope_tables, cache: LayerKVCache) -> np.ndarray:
         a = self.args
         T = x.shape[0]
-        q, k, v = products((self.attn_q, self.attn_k, self.attn_v), x)  # x quantized once
+        q, k, v = self.qkv(x)  # x quantized once
         if self.bias_q is not None:
             q, k, v = q + self.bias_q, k + self.bias_k, v + self.bias_v
         q = q.reshape(T, a.n_heads, a.head_dim)  # (T, H, D)
@@ -112,9 +113,10 @@ class MLP:
         self.ffn_gate = w.linear(f"{prefix}.ffn_gate.weight", args.ffn_dim, args.dim)
         self.ffn_up = w.linear(f"{prefix}.ffn_up.weight", args.ffn_dim, args.dim)
         self.ffn_down = w.linear(f"{prefix}.ffn_down.weight", args.dim, args.ffn_dim)
+        self.gate_up = LinearGroup((self.ffn_gate, self.ffn_up))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        gate, up = products((self.ffn_gate, self.ffn_up), x)  # x quantized once
+        gate, up = self.gate_up(x)  # x quantized once
         return self.ffn_down(gated(silu, gate, up))  # silu(gate) * up
 
 
