@@ -61,6 +61,12 @@ def tiny1(request, tmp_path_factory):
     return _tiny(tmp_path_factory, request.param, n_layers=1)
 
 
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny1_wide(request, tmp_path_factory):
+    """One layer whose window (gemma3: 128) is longer than the tests' sequences."""
+    return _tiny(tmp_path_factory, request.param, n_layers=1, sliding_window=128)
+
+
 @pytest.fixture(scope="module")
 def gemma6(tmp_path_factory):
     """Six gemma3 layers: 0-4 local (window 8), 5 global."""
@@ -558,6 +564,42 @@ def test_trim_into_an_older_quantized_block_reopens_it_as_stored(tiny_wide):
         n_sink = layer.n_sinks  # sink positions stay exact
         np.testing.assert_array_equal(layer.tail_k[:, n_sink:10], kq[0][:, n_sink:10])
         np.testing.assert_array_equal(layer.tail_v[:, n_sink:10], vq[0][:, n_sink:10])
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["decoded", "one-pass"])
+def test_trim_back_to_a_kept_position_restores_its_block_exactly(tiny1_wide, row_wise_linears, one_pass):
+    """`keep_exact(20)`: however many blocks fill after block 1 (16..31), a trim back to 20
+    leaves the layer as a cache that only ever held 20 tokens, bit for bit (one layer and
+    row-wise linears: a token's k/v do not depend on the pass it is computed in); a trim into
+    a block whose rows nobody kept can only go back exactly to that block's start."""
+    model, spec = tiny1_wide, "k4v4,bs=16"
+    ids = ids_for(model, 80)
+    ref = model.new_cache(spec)
+    prefill(model, ref, ids[:20])
+    cache = model.new_cache(spec)
+    cache.keep_exact(20)
+    if one_pass:  # block 1 fills in the middle of the pass, blocks 2-4 after it
+        prefill(model, cache, ids)
+    else:
+        prefill(model, cache, ids[:21])
+        decode(model, cache, ids[21:])
+    assert cache.exact_trim_point(20) == 20
+    assert cache.exact_trim_point(70) == 70  # block 4 (64..79): the one that filled last
+    assert cache.exact_trim_point(40) == 32  # block 2: neither kept nor the last
+    assert cache.exact_trim_point(2) == 2  # block 0: only sinks would stay
+    cache.trim(60)
+    assert _layer_state(cache) == _layer_state(ref) == [(20, 1, 4, 0)]
+    (layer,), (want,) = cache.layers, ref.layers
+    np.testing.assert_array_equal(layer.tail_k[:, :4], want.tail_k[:, :4])
+    np.testing.assert_array_equal(layer.tail_v[:, :4], want.tail_v[:, :4])
+    for a, b in zip(layer.pool.dequantize(layer.block_table), want.pool.dequantize(want.block_table)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(decode(model, cache, ids[20:22]), decode(model, ref, ids[20:22]))
+    # kept again when block 1 fills a second time, and forgotten with the blocks
+    decode(model, cache, ids[22:60])  # blocks 1 and 2 fill: the last is 2
+    assert cache.exact_trim_point(20) == 20
+    cache.release()
+    assert layer.keep_at is None and layer._kept is None and layer._closed is None
 
 
 def test_trim_into_released_window_blocks_raises(gemma6):

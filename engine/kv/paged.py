@@ -190,6 +190,25 @@ class PagedKVCache(KVCache):
         self.chain_keys[start:] = keys
         self.n_published = start + len(keys)
 
+    # -- trimming back -------------------------------------------------------------------------
+    def keep_exact(self, position: int | None) -> None:
+        """A later trim back to `position` tokens should leave the cache as one that never held
+        the later tokens (a regenerated answer trims back to its prompt): each layer keeps the
+        rows of the block holding `position` as they were before it was quantized, once it
+        fills (`PagedLayerCache.keep_exact`: one block's rows per layer). None: no block."""
+        for layer in self.layers:
+            layer.keep_exact(position)
+
+    def exact_trim_point(self, target: int) -> int:
+        """The most tokens, at most `target`, that `trim` can keep leaving the cache as one that
+        never held the later tokens: `target` when no layer reopens a quantized block whose
+        rows it did not keep (`PagedLayerCache.trims_exactly`), else the start of target's
+        block (the blocks before it are as they were when they filled; the tokens after are
+        computed again)."""
+        if all(layer.trims_exactly(target) for layer in self.layers):
+            return target
+        return target - target % self.config.block_size
+
     # -- bookkeeping ---------------------------------------------------------------------------
     def trim(self, n: int) -> None:
         before = self.offset

@@ -75,11 +75,17 @@ class PagedLayerCache(LayerKVCache):
         self.track_attention = track_attention
         self.attn_mass = np.zeros(0, np.float32)
         self.defer_release = defer_release
-        # The float16-rounded rows of the block that filled last, (pool id, K (Hkv, B, D),
-        # V (Hkv, B, Dv)): a trim that reopens that block gets them back exactly instead of
-        # dequantized, so rolling back a rejected speculative draft leaves the layer as if it
-        # had never held the draft.
+        # The rows of up to two full blocks as they were before quantizing, (pool id, K (Hkv, B,
+        # D), V (Hkv, B, Dv)) in float16 (the values are float16-rounded: exact); a trim that
+        # reopens one of them gets its rows back exactly instead of dequantized:
+        #   _closed  the block that filled last: a rolled-back speculative draft leaves the layer
+        #            as if it had never held the draft
+        #   _kept    the block holding position `keep_at` (`keep_exact`) once it filled: a trim
+        #            back to that position (a regenerated answer) leaves the layer as if the
+        #            answer had never been there, however many blocks the answer filled
         self._closed: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._kept: tuple[int, np.ndarray, np.ndarray] | None = None
+        self.keep_at: int | None = None
 
     @property
     def use_kernels(self) -> bool:
@@ -148,7 +154,7 @@ class PagedLayerCache(LayerKVCache):
         k_rows, v_rows = self.row_addresses()
         filled = self._store(self.tail_k, self.tail_v, 1) if n + 1 == B else []
         if filled:
-            self._closed = (filled[0], self.tail_k.copy(), self.tail_v.copy())
+            self._note_filled(filled[0], start - n, self.tail_k, self.tail_v)
         query = np.ascontiguousarray(q[0].reshape(Hkv, H // Hkv, D), dtype=np.float32)
         return DecodeView(query, start, k_rows, v_rows, old_first, n_sink_old, self.sink_k, self.sink_v,
                           self.tail_k, self.tail_v, n + 1, mass, filled)
@@ -187,15 +193,54 @@ class PagedLayerCache(LayerKVCache):
             return
         first_visible = self.offset - self.window + 1  # the next query's oldest visible key
         while self.block_table and self.first_position + self.B <= first_visible:
-            self._forget_closed(self.block_table[0])
+            self._forget_exact(self.block_table[0])
             self.pool.decref(self.block_table.pop(0))
             self.first_position += self.B
 
-    def _forget_closed(self, block: int | None = None) -> None:
-        """The exact rows of the last filled block no longer apply once it leaves the table by
-        any way but `trim` (its pool id may come back as another block's)."""
+    # -- exact rows of filled blocks -----------------------------------------------------------
+    def keep_exact(self, position: int | None) -> None:
+        """Keep the rows of the block holding `position` as they are before it is quantized,
+        once it fills (None: no block), so that a trim back to `position` leaves the layer as
+        one that never held later tokens (`trims_exactly`). One block's rows at most: a later
+        call replaces the block."""
+        block = None if position is None else self.block_at(position // self.B)
+        self.keep_at = position
+        # already full: its rows are known only if it is the block that filled last
+        self._kept = next((rows for rows in (self._kept, self._closed)
+                           if rows is not None and block is not None and rows[0] == block), None)
+
+    def _note_filled(self, block: int, first: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Pool block `block` now holds positions first .. first+B-1, quantized from the
+        float16-rounded rows k (Hkv, B, D), v (Hkv, B, Dv)."""
+        rows = (block, k.astype(np.float16), v.astype(np.float16))
+        self._closed = rows
+        if self.keep_at is not None and first <= self.keep_at < first + self.B:
+            self._kept = rows
+
+    def _exact_rows(self, block: int | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """(K (Hkv, B, D), V (Hkv, B, Dv)) of pool block `block` before it was quantized, when
+        this layer kept them."""
+        for rows in (self._closed, self._kept):
+            if rows is not None and block is not None and rows[0] == block:
+                return rows[1], rows[2]
+        return None
+
+    def trims_exactly(self, target: int) -> bool:
+        """Whether `trim` back to `target` tokens leaves this layer as one that never held the
+        later tokens: no quantized block is reopened with tokens kept (target in the tail, at
+        a block start, or inside the sinks, which stay exact), or the one reopened has its
+        rows kept (`_closed`, `_kept`)."""
+        if target >= self.offset - self.n_tail or target % self.B == 0 or target <= self.n_sinks:
+            return True
+        return self._exact_rows(self.block_at(target // self.B)) is not None
+
+    def _forget_exact(self, block: int | None = None) -> None:
+        """Kept rows no longer apply once their block leaves the table by any way but `trim`
+        (its pool id may come back as another block's); None: every block's."""
         if self._closed is not None and (block is None or self._closed[0] == block):
             self._closed = None
+        if self._kept is not None and (block is None or self._kept[0] == block):
+            self._kept = None
 
     def _append(self, k16: np.ndarray, v16: np.ndarray, dequantized: bool = False):
         """Store new tokens' float16-rounded keys/values (Hkv, T, D), (Hkv, T, Dv) (keys already
@@ -224,9 +269,12 @@ class PagedLayerCache(LayerKVCache):
                 recent_kq[:, : n_full * B] = kq.transpose(1, 0, 2, 3).reshape(Hkv, n_full * B, D)
                 recent_vq[:, : n_full * B] = vq.transpose(1, 0, 2, 3).reshape(Hkv, n_full * B, -1)
         self.block_table.extend(new_blocks)
-        if n_full:
-            last = slice((n_full - 1) * B, n_full * B)
-            self._closed = (new_blocks[-1], recent_k[:, last].copy(), recent_v[:, last].copy())
+        first = start - self.n_tail  # position of recent column 0 (a block start)
+        keep = -1 if self.keep_at is None else (self.keep_at - first) // B
+        for j in sorted({keep, n_full - 1}):  # the kept block if it filled now, and the last
+            if 0 <= j < n_full:
+                cols = slice(j * B, (j + 1) * B)
+                self._note_filled(new_blocks[j], first + j * B, recent_k[:, cols], recent_v[:, cols])
         n_rest = R - n_full * B
         self.tail_k[:, :n_rest] = recent_k[:, n_full * B :]
         self.tail_v[:, :n_rest] = recent_v[:, n_full * B :]
@@ -316,9 +364,10 @@ class PagedLayerCache(LayerKVCache):
     def trim(self, n: int) -> None:
         """Forget the last n tokens. Tokens of a quantized block that stay come back into the tail:
         exactly as they were before the block filled when it is the block that filled last (a
-        rolled-back speculative draft, see `kv.batch.VerifyBatch`), else as stored (dequantized),
-        which is what later queries would have seen anyway except that they are now in the
-        unfinished block."""
+        rolled-back speculative draft, see `kv.batch.VerifyBatch`) or the kept one (`keep_exact`:
+        a regenerated answer), else as stored (dequantized), which is what later queries would
+        have seen anyway except that they are now in the unfinished block (`trims_exactly` says
+        which)."""
         target = max(0, self.offset - n)
         # The next query (at `target`) needs the window - 1 keys before it too.
         lowest = target if self.window is None else max(0, target - self.window + 1)
@@ -326,15 +375,14 @@ class PagedLayerCache(LayerKVCache):
             raise ValueError("cannot trim into blocks a sliding window already released")
         while self.offset - self.n_tail > target:  # the tail starts after target: reopen a block
             block = self.block_table.pop()
-            if self._closed is not None and self._closed[0] == block:
-                _, exact_k, exact_v = self._closed
-                self.tail_k[:] = exact_k
-                self.tail_v[:] = exact_v
+            exact = self._exact_rows(block)
+            if exact is not None:
+                self.tail_k[:], self.tail_v[:] = exact
             else:
                 k, v = self.pool.dequantize([block])
                 self.tail_k[:] = k[0]
                 self.tail_v[:] = v[0]
-            self._closed = None
+            self._forget_exact(block)
             self.pool.decref(block)
             self.offset -= self.n_tail
             self.n_tail = self.B
@@ -378,7 +426,8 @@ class PagedLayerCache(LayerKVCache):
             rerotate: (keys (T, Hkv, D), by (T,)) → keys at position + by.
             allocate: () → a new pool block id (may evict cached blocks), or None.
         """
-        self._forget_closed()
+        self._forget_exact()
+        self.keep_at = None  # positions move
         B = self.B
         dropped = np.asarray(dropped, dtype=np.int64)
         base = self.first_position // B
@@ -432,7 +481,8 @@ class PagedLayerCache(LayerKVCache):
 
     def release(self) -> None:
         """Return every block to the pool."""
-        self._forget_closed()
+        self._forget_exact()
+        self.keep_at = None
         for block in self.block_table:
             self.pool.decref(block)
         self.block_table.clear()
