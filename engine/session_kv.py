@@ -129,13 +129,16 @@ class SessionKV:
                     live.protected_tokens = n_prefix
                     return live, common, "memory"
             else:
-                common = min(common, len(ids) - 1)
+                # back to a block start, the rest prefilled again, where the trim would reopen a
+                # quantized block whose rows are gone (the prompt then reads what a new sequence
+                # would, not what an answer left in that block)
+                common = live.exact_trim_point(min(common, len(ids) - 1))
                 in_memory = cache.usable_blocks(cache.chain_keys(ids, (len(ids) - 1) // cache.B)) * cache.B
                 if common > 0 and common >= in_memory:
                     try:
                         live.trim(len(history) - common)
                         live.protected_tokens = n_prefix
-                        return live, common, "memory"
+                        return self._kept(live, ids), common, "memory"
                     except ValueError:
                         pass  # a sliding window already released what the trim needs
             self.release_live()
@@ -150,4 +153,12 @@ class SessionKV:
                 reuse = cache.attach(seq, ids)
                 self.master_prefilled = max(0, reuse.tokens - before)
         self.live = seq
-        return seq, reuse.tokens, reuse.source
+        return self._kept(seq, ids), reuse.tokens, reuse.source
+
+    @staticmethod
+    def _kept(seq: PagedKVCache, ids: Sequence[int]) -> PagedKVCache:
+        """`seq`, its rows at the prompt's last token kept exact: a regenerated answer (or the
+        same question asked again) trims back to there, len(ids) - 1 (`sequence_for` leaves
+        that token to prefill), and must read the prompt as this answer did."""
+        seq.keep_exact(len(ids) - 1)
+        return seq
