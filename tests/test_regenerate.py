@@ -51,7 +51,6 @@ def _feed(engine: Engine, seq, tokens: list[int], one_by_one: bool) -> None:
             engine.model.forward([t], seq, "last")
     else:
         engine.model.forward(np.asarray(tokens), seq, "last")
-    seq.history[-len(tokens):] = tokens  # (begin_forward recorded them already)
 
 
 def test_regenerating_a_greedy_answer_gives_the_same_tokens_each_time(engine, model_name):
