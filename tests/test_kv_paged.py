@@ -764,6 +764,114 @@ def test_decode_into_a_full_pool_raises_before_changing_the_layer(use_kernels):
     np.testing.assert_allclose(out, ref[0].attend(q, k, v, scale=0.125, window=None)[7:], atol=2e-5, rtol=0)
 
 
+def _sequences_over_one_pool(spec: str, lengths, *, max_tokens=None, seed=5):
+    """One layer of len(lengths) sequences over one shared pool (one attention backend, the
+    compiled decode kernel ungated), each prefilled with its number of random tokens."""
+    from engine.kv.paged_attention import choose_attention
+    from engine.kv.pool import build_pools
+
+    config = KVConfig.parse(spec)
+    pool = build_pools(config, 1, 2, 64, 64, max_tokens=max_tokens)[0]
+    attention = choose_attention(pool)
+    attention.gated = False
+    layers = [PagedLayerCache(pool, sinks=config.sinks, rotation=config.rotation, attention=attention)
+              for _ in lengths]
+    rng = np.random.default_rng(seed)
+    for layer, n in zip(layers, lengths):
+        if n:
+            q, k, v = _qkv(T=n, seed=int(rng.integers(1 << 30)))
+            layer.attend(q, k, v, scale=0.125, window=None)
+    return layers
+
+
+def _layer_bits(layer):
+    """Everything a layer holds, its blocks by their stored bytes."""
+    pool = layer.pool
+    rows = [(pool.k_row(b).tobytes(), pool.v_row(b).tobytes()) for b in layer.block_table]
+    exact = [None if rows is None else (rows[0], rows[1].tobytes(), rows[2].tobytes())
+             for rows in (layer._closed, layer._kept)]
+    return (layer.offset, layer.n_tail, list(layer.block_table), layer.first_position, rows,
+            layer.tail_k[:, : layer.n_tail].tobytes(), layer.tail_v[:, : layer.n_tail].tobytes(),
+            layer.sink_k.tobytes(), layer.sink_v.tobytes(), exact, layer.keep_at)
+
+
+@pytest.mark.parametrize("spec", ["k6v4,bs=16", "k4v4,rot,bs=16", "f16,bs=8,sinks=6"])
+def test_staging_a_batch_of_tokens_equals_staging_each_alone_bit_for_bit(spec):
+    """`PagedLayerCache.stage_tokens` (one layer of several sequences, one call) gives each
+    sequence the view and the stored state its own `stage_token` gives: sinks, blocks filling at
+    different steps (quantized, rotated keys) and the tails."""
+    lengths = [0, 3, 13, 30]  # sink positions, and each sequence fills a block at another step
+    batch, alone = _sequences_over_one_pool(spec, lengths), _sequences_over_one_pool(spec, lengths)
+    for layers in (batch, alone):
+        layers[2].keep_exact(14)  # its block 0's rows kept when it fills (`keep_exact`)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        q = rng.standard_normal((4, 4, 64)).astype(np.float32)
+        k = rng.standard_normal((4, 2, 64)).astype(np.float32) * 3
+        v = rng.standard_normal((4, 2, 64)).astype(np.float32)
+        views, queries = PagedLayerCache.stage_tokens(batch, q, k, v)
+        assert queries.shape == (4, 2, 2, 64) and queries.flags.c_contiguous
+        for i, (layer, view) in enumerate(zip(alone, views)):
+            own = layer.stage_token(q[i : i + 1], k[i : i + 1], v[i : i + 1])
+            for name in ("query", "position", "first_position", "n_sink_old", "n_recent", "filled", "mass"):
+                assert np.array_equal(getattr(view, name), getattr(own, name)), name
+            assert np.shares_memory(view.query, queries[i]) and view.query.flags.c_contiguous
+            assert len(view.k_rows) == len(own.k_rows) == len(layer.block_table)
+            layer.commit_token(own)
+        for layer, view in zip(batch, views):
+            layer.commit_token(view)
+        assert [_layer_bits(a) for a in batch] == [_layer_bits(b) for b in alone]
+    assert batch[2]._kept is not None
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_a_batch_of_tokens_attends_as_each_layer_alone(together, monkeypatch):
+    """`PagedLayerCache.attend_tokens` over one pool, in one compiled call or one sequence after the
+    other (below TOGETHER_MIN_TOKENS): each row bit for bit its layer's own `attend`."""
+    from engine.kernels import HAVE_NUMBA
+    from engine.kv import paged_attention
+
+    if not HAVE_NUMBA:
+        pytest.skip("the batch path needs the compiled decode kernel")
+    monkeypatch.setattr(paged_attention, "TOGETHER_MIN_TOKENS", 0 if together else 1 << 30)
+    many = []
+    attend_many = paged_attention.DecodeKernel.attend_many
+    monkeypatch.setattr(paged_attention.DecodeKernel, "attend_many",
+                        lambda self, views, **kw: many.append(len(views)) or attend_many(self, views, **kw))
+    lengths = [2, 17, 40]
+    batch, alone = _sequences_over_one_pool("k6v4,bs=16", lengths), _sequences_over_one_pool("k6v4,bs=16", lengths)
+    rng = np.random.default_rng(2)
+    for _ in range(18):
+        q = rng.standard_normal((3, 4, 64)).astype(np.float32)
+        k = rng.standard_normal((3, 2, 64)).astype(np.float32)
+        v = rng.standard_normal((3, 2, 64)).astype(np.float32)
+        out = PagedLayerCache.attend_tokens(batch, q, k, v, scale=0.125, window=None)
+        for i, layer in enumerate(alone):
+            assert np.array_equal(out[i], layer.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1],
+                                                       scale=0.125, window=None)[0])
+    assert [_layer_bits(a) for a in batch] == [_layer_bits(b) for b in alone]
+    assert many == ([3] * 18 if together else [])
+
+
+def test_a_batch_of_tokens_into_a_full_pool_raises_before_any_change():
+    """Two of three sequences complete a block and the shared pool has one free: KVPoolFull from
+    `stage_tokens` (and through `attend_tokens`) with no block allocated and no layer changed."""
+    layers = _sequences_over_one_pool("k4v4,bs=8", [7, 15, 3], max_tokens=3 * 8)  # 0 + 1 + 0 blocks used
+    pool = layers[0].pool
+    layers[2].attend(*_qkv(T=8, seed=3), scale=0.125, window=None)  # 11 tokens: one more block
+    assert pool.n_free == 1
+    before = [_layer_bits(layer) for layer in layers], pool.n_free, list(pool.ref_cnt)
+    q, k, v = _qkv(T=3, seed=4)
+    with pytest.raises(KVPoolFull):
+        PagedLayerCache.stage_tokens(layers, q, k, v)
+    with pytest.raises(KVPoolFull):
+        PagedLayerCache.attend_tokens(layers, q, k, v, scale=0.125, window=None)
+    assert ([_layer_bits(layer) for layer in layers], pool.n_free, list(pool.ref_cnt)) == before
+    pool.max_blocks += 1
+    assert PagedLayerCache.attend_tokens(layers, q, k, v, scale=0.125, window=None).shape == (3, 4, 64)
+    assert [layer.offset for layer in layers] == [8, 16, 12] and pool.n_free == 0
+
+
 def test_a_full_pool_is_kv_pool_full_through_the_model_and_the_engine(tmp_path):
     """The whole forward path of a tiny model with a pool budget: decoding fills the pool and the
     forward pass raises KVPoolFull (not ContextFull, not a MemoryError); `generate` ends the

@@ -19,8 +19,8 @@ filled by the layer cache) with the one sequence's blocks, tail, sinks and posit
 layouts they keep are their pool's. So one
 backend per pool serves every sequence over that pool.
 
-Decoding several sequences in one step (a batch over shared pools): stage each sequence's token
-(`PagedLayerCache.stage_token` gives its DecodeView; a full pool fails there, before anything
+Decoding several sequences in one step (a batch over shared pools): stage every sequence's token
+(`PagedLayerCache.stage_tokens` gives their DecodeViews; a full pool fails there, before anything
 changes), run `DecodeKernel.attend` per view — or one compiled call over all the views, which
 share the pool's layouts and differ only in rows, tail, sinks, positions and query —, then
 `commit_token` each sequence.
@@ -351,30 +351,35 @@ class DecodeKernel:
         return out
 
     def attend_many(self, views: list[DecodeView], *, scale: float, window: int | None,
-                    head_parts: int = 1) -> np.ndarray:
+                    head_parts: int = 1, queries: np.ndarray | None = None) -> np.ndarray:
         """(n, Hkv, G, Dv) float32: `attend` of each view (sequences over this kernel's pool,
         without attention-mass tracking), from one compiled call whose rows the weight kernels'
         thread pool shares out (`kv_codes.decode_rows_address`); each output equals the view's
-        own `attend`. head_parts: each sequence as that many rows of consecutive KV heads."""
+        own `attend`. head_parts: each sequence as that many rows of consecutive KV heads.
+        queries: the views' queries as one C-contiguous (n, Hkv, G, D) float32 array (as
+        `PagedLayerCache.stage_tokens` makes them), taken as the call's input without a copy."""
         n = len(views)
         Hkv, G, D = views[0].query.shape
         Dv = self.value_dim
         T = Hkv * G * max(D, Dv)
         bounds = [Hkv * i // head_parts for i in range(head_parts + 1)]
         table = np.empty((n * head_parts, kv_codes.DECODE_FIELDS), np.int64)
-        x = np.zeros((n * head_parts, T), np.float32)  # row i: its sequence's query (kv_codes' layout)
         scale_box = np.array([scale], np.float32)  # read by address: alive until the call returns
         table[:, kv_codes.DF_HKV :] = (Hkv, G, D, Dv, views[0].sink_k.shape[1], views[0].tail_k.shape[1],
                                        self.block_size, scale_box.ctypes.data, *self.k_layout, *self.v_layout)
+        if queries is not None and head_parts == 1 and D >= Dv:
+            x = queries.reshape(n, T)  # row i: its sequence's query (kv_codes' layout)
+        else:
+            x = np.zeros((n * head_parts, T), np.float32)
+            for i, view in enumerate(views):
+                x[i * head_parts : (i + 1) * head_parts, : Hkv * G * D] = view.query.reshape(-1)
         most_tokens = 0
         for i, view in enumerate(views):
             first_visible = 0 if window is None else max(0, view.position - window + 1 - view.first_position)
             for part in range(head_parts):
-                row = i * head_parts + part
-                kv_codes.fill_decode_row(table, row, view.k_rows, view.v_rows, view.sink_k, view.sink_v,
-                                         view.first_position, view.n_sink_old, view.tail_k, view.tail_v,
-                                         view.n_recent, first_visible, bounds[part], bounds[part + 1])
-                x[row, : Hkv * G * D] = view.query.reshape(-1)
+                kv_codes.fill_decode_row(table, i * head_parts + part, view.k_rows, view.v_rows, view.sink_k,
+                                         view.sink_v, view.first_position, view.n_sink_old, view.tail_k,
+                                         view.tail_v, view.n_recent, first_visible, bounds[part], bounds[part + 1])
             most_tokens = max(most_tokens, len(view.k_rows) * self.block_size + view.n_recent)
         n_rows = n * head_parts
         out = np.empty((T, n_rows), np.float32)
@@ -426,31 +431,30 @@ class PagedAttention:
 
     def attend_tokens(self, layers: list, q, k, v, *, scale: float, window: int | None) -> np.ndarray | None:
         """One new token for each of `layers` (PagedLayerCaches of different sequences over one
-        pool, this backend's layer first): store each (q, k, v row i for layers[i]) and return the
-        attention outputs (n, H, Dv) from one compiled call (`DecodeKernel.attend_many`), equal to
-        each layer's own `attend`. None, with nothing stored, when that call does not apply: no
-        decode kernel, its kernels still compiling, layers over other pools or tracking
-        attention mass, or fewer than TOGETHER_MIN_TOKENS stored tokens in all (the sequences
-        then attend one by one: as fast, the work being too little to share)."""
-        if self.decode is None or len(layers) < 2 or sum(layer.offset for layer in layers) < TOGETHER_MIN_TOKENS:
+        pool, this backend's layer first): store them in one call (q, k, v row i for layers[i],
+        `PagedLayerCache.stage_tokens`) and return the attention outputs (n, H, Dv), each equal
+        to its layer's own `attend`: from one compiled call (`DecodeKernel.attend_many`) with
+        TOGETHER_MIN_TOKENS stored tokens in all or more, else one sequence after the other (as
+        fast, the work being too little to share). None, with nothing stored, when the decode
+        kernel does not apply: none, its kernels still compiling, layers over other pools, with
+        another rotation or tracking attention mass."""
+        if self.decode is None or len(layers) < 2:
             return None
-        pool = layers[0].pool
+        first = layers[0]
+        pool, rotated = first.pool, first.rotation is not None
         if any(layer.pool is not pool or layer.track_attention or layer.attention.decode is None
-               for layer in layers):
+               or (layer.rotation is not None) != rotated for layer in layers):
             return None
         if self._compiling(DECODE_KERNELS):
             return None
         n, H = q.shape[0], q.shape[1]
-        views = []
-        try:
-            for i, layer in enumerate(layers):
-                views.append(layer.stage_token(q[i : i + 1], k[i : i + 1], v[i : i + 1]))
-        except BaseException:  # e.g. KVPoolFull: the blocks staged so far go back to the pool
-            for view in views:
-                for block in view.filled:
-                    pool.decref(block)
-            raise
-        out = self.decode.attend_many(views, scale=scale, window=window)
+        views, queries = first.stage_tokens(layers, q, k, v)
+        if sum(view.position for view in views) >= TOGETHER_MIN_TOKENS:
+            out = self.decode.attend_many(views, scale=scale, window=window, queries=queries)
+        else:
+            out = np.empty((n,) + views[0].query.shape[:2] + (pool.value_dim,), np.float32)
+            for i, view in enumerate(views):
+                out[i] = self.decode.attend(view, scale=scale, window=window)
         for layer, view in zip(layers, views):
             layer.commit_token(view)
         return out.reshape(n, H, -1)

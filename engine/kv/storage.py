@@ -139,11 +139,52 @@ class PagedLayerCache(LayerKVCache):
         as the tail).
         """
         _, H, D = q.shape
-        Hkv, B, S = self.pool.n_kv_heads, self.B, self.n_sinks
+        Hkv = self.pool.n_kv_heads
         q, k = self._rotated(q, k)
+        query = np.ascontiguousarray(q[0].reshape(Hkv, H // Hkv, D), dtype=np.float32)
+        return self._stage(query, k[0].astype(np.float16), v[0].astype(np.float16))
+
+    @staticmethod
+    def stage_tokens(layers: list[PagedLayerCache], q: np.ndarray, k: np.ndarray,
+                     v: np.ndarray) -> tuple[list[DecodeView], np.ndarray]:
+        """`stage_token` for one new token in each of `layers` (one layer of n sequences over one
+        pool, all with or all without the rotation; q (n, H, D), k (n, Hkv, D), v (n, Hkv, Dv), row
+        i layers[i]'s), the rotation, float16 rounding and query layout done once for the n rows.
+        Returns (views, queries): views[i] bit for bit what layers[i].stage_token(q[i:i+1],
+        k[i:i+1], v[i:i+1]) gives (np.matmul multiplies a stack matrix by matrix, as it does a
+        stack of one), and their queries as one C-contiguous (n, Hkv, G, D) float32 array (each
+        view's query is a row of it). `commit_token` each view finishes the step.
+
+        Raises KVPoolFull before any layer changes when the pool lacks a block for every token
+        that completes one.
+        """
+        first = layers[0]
+        n, H, D = q.shape
+        Hkv, B = first.pool.n_kv_heads, first.B
+        if sum(layer.n_tail + 1 == B for layer in layers) > first.pool.n_free:
+            raise KVPoolFull("the KV block pool is full")
+        if first.rotation is not None:
+            q, k = q @ first.rotation, k @ first.rotation
+        queries = np.ascontiguousarray(q.reshape(n, Hkv, H // Hkv, D), dtype=np.float32)
+        k16, v16 = k.astype(np.float16), v.astype(np.float16)  # (n, Hkv, D), (n, Hkv, Dv)
+        views = []
+        try:
+            for i, layer in enumerate(layers):
+                views.append(layer._stage(queries[i], k16[i], v16[i]))
+        except BaseException:  # the blocks staged so far go back to the pool
+            for view in views:
+                for block in view.filled:
+                    first.pool.decref(block)
+            raise
+        return views, queries
+
+    def _stage(self, query: np.ndarray, k16: np.ndarray, v16: np.ndarray) -> DecodeView:
+        """`stage_token`'s work on the token in the stored keys' basis: query (Hkv, G, D) float32
+        contiguous, k16 (Hkv, D) and v16 (Hkv, Dv) float16."""
+        B, S = self.B, self.n_sinks
         start, n = self.offset, self.n_tail
-        self.tail_k[:, n] = k[0].astype(np.float16)  # float16-rounded, as stored everywhere else
-        self.tail_v[:, n] = v[0].astype(np.float16)
+        self.tail_k[:, n] = k16  # float16-rounded, as stored everywhere else
+        self.tail_v[:, n] = v16
         if start < S:
             self.sink_k[:, start] = self.tail_k[:, n]
             self.sink_v[:, start] = self.tail_v[:, n]
@@ -155,7 +196,6 @@ class PagedLayerCache(LayerKVCache):
         filled = self._store(self.tail_k, self.tail_v, 1) if n + 1 == B else []
         if filled:
             self._note_filled(filled[0], start - n, self.tail_k, self.tail_v)
-        query = np.ascontiguousarray(q[0].reshape(Hkv, H // Hkv, D), dtype=np.float32)
         return DecodeView(query, start, k_rows, v_rows, old_first, n_sink_old, self.sink_k, self.sink_v,
                           self.tail_k, self.tail_v, n + 1, mass, filled)
 
