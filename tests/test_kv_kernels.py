@@ -435,6 +435,21 @@ def test_decode_batch_call_equals_each_sequence_alone_when_the_pool_steals(monke
         layer.commit_token(view)
 
 
+def test_decode_batch_calls_with_other_scales_each_use_their_own():
+    """`DecodeKernel.attend_many` keeps the table fields its calls share (the scale's among them)
+    from one call to the next: calls alternating between two scales each equal `attend`."""
+    from engine import warmup
+
+    layer, q, k = warmup._tiny_layer(True)
+    view = layer.stage_token(q[36:37], k[36:37], k[36:37])
+    decode = layer.attention.decode
+    for scale in (0.25, 0.5, 0.25, 0.5):
+        together = decode.attend_many([view, view], scale=scale, window=None)
+        alone = decode.attend(view, scale=scale, window=None)
+        assert np.array_equal(together[0], alone) and np.array_equal(together[1], alone)
+    layer.commit_token(view)
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 def test_softmax_of_scores_that_are_not_numbers_raises_nothing(value):
     """A pool worker may run a dropped (stolen) decode chunk over the pool's reused x buffer, whose

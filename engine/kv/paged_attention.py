@@ -332,6 +332,9 @@ class DecodeKernel:
         from ..kernels.pool import kernel_threads
 
         self.threads = kernel_threads()  # a long sequence's heads shared between this many (`attend`)
+        # attend_many's table fields from DF_HKV on, by (G, D, sinks, tail rows, scale): the same
+        # in every call of a model's layer; each holds the address of its float32 scale, kept here
+        self._shared_fields: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def attend(self, view: DecodeView, *, scale: float, window: int | None) -> np.ndarray:
         """(Hkv, G, Dv) float32: the new token's attention output per query head. From
@@ -364,9 +367,14 @@ class DecodeKernel:
         T = Hkv * G * max(D, Dv)
         bounds = [Hkv * i // head_parts for i in range(head_parts + 1)]
         table = np.empty((n * head_parts, kv_codes.DECODE_FIELDS), np.int64)
-        scale_box = np.array([scale], np.float32)  # read by address: alive until the call returns
-        table[:, kv_codes.DF_HKV :] = (Hkv, G, D, Dv, views[0].sink_k.shape[1], views[0].tail_k.shape[1],
-                                       self.block_size, scale_box.ctypes.data, *self.k_layout, *self.v_layout)
+        key = (G, D, views[0].sink_k.shape[1], views[0].tail_k.shape[1], scale)
+        shared = self._shared_fields.get(key)
+        if shared is None:
+            scale_box = np.array([scale], np.float32)  # read by address
+            shared = (np.array((Hkv, G, D, Dv) + key[2:4] + (self.block_size, scale_box.ctypes.data)
+                               + self.k_layout + self.v_layout, np.int64), scale_box)
+            self._shared_fields[key] = shared
+        table[:, kv_codes.DF_HKV :] = shared[0]
         if queries is not None and head_parts == 1 and D >= Dv:
             x = queries.reshape(n, T)  # row i: its sequence's query (kv_codes' layout)
         else:
@@ -386,8 +394,8 @@ class DecodeKernel:
         # the grace before the caller takes over a worker's sequence: its keys and values read as
         # if float16 (the quantized formats take longer per byte)
         work = most_tokens * Hkv * (D + Dv) * 2 // head_parts
-        # what the cfunc reads by address: the views' arrays, the scale, the pool's slabs
-        keep = (views, scale_box, self.pool)
+        # what the cfunc reads by address: the views' arrays, the scale (self's), the pool's slabs
+        keep = (views, self)
         work_pool.run_rows(kv_codes.decode_rows_address(), work_pool.readonly(table.view(np.uint8)),
                               x.reshape(T, n_rows), out, 1, work, keep)
         if head_parts == 1:
