@@ -872,6 +872,56 @@ def test_a_batch_of_tokens_into_a_full_pool_raises_before_any_change():
     assert [layer.offset for layer in layers] == [8, 16, 12] and pool.n_free == 0
 
 
+def test_cached_row_addresses_follow_every_change_of_the_block_table():
+    """The row addresses a decode step reads (`PagedLayerCache.row_addresses`, cached) are the
+    pool's for the table as it is, after each kind of change: blocks filled by decode and by
+    prefill, trims whose freed ids another sequence takes before the table regrows to its old
+    length, window releases, attach, dropped blocks and release."""
+    from engine.kv.paged_attention import choose_attention
+    from engine.kv.pool import build_pools
+
+    config = KVConfig.parse("k4v4,bs=4,sinks=2")
+    pool = build_pools(config, 1, 2, 64, 64)[0]
+    attention = choose_attention(pool)  # one-token steps by the decode kernel's stage_token, with numba
+    attention.gated = False
+    layer, other = (PagedLayerCache(pool, sinks=2, attention=attention) for _ in range(2))
+    # window 5: the step that fills a block also releases the oldest (the table keeps its length)
+    windowed = PagedLayerCache(pool, sinks=2, window=5, attention=attention)
+    rng = np.random.default_rng(4)
+
+    def check(cache):
+        cached, fresh = cache.row_addresses(), pool.row_addresses(cache.block_table)
+        assert np.array_equal(cached[0], fresh[0]) and np.array_equal(cached[1], fresh[1])
+
+    def add(cache, T):
+        q, k, v = _qkv(T=T, seed=int(rng.integers(1 << 30)))
+        cache.attend(q, k, v, scale=0.125, window=cache.window)
+        check(cache)
+
+    add(layer, 10)
+    for _ in range(12):
+        add(layer, 1)
+    before = list(layer.block_table)
+    layer.trim(9)
+    check(layer)
+    add(other, 8)  # takes the ids the trim gave back
+    for _ in range(9):
+        add(layer, 1)
+    assert len(layer.block_table) == len(before) and layer.block_table != before
+    for _ in range(20):
+        add(windowed, 1)
+    assert windowed.first_position > 0
+    fresh = PagedLayerCache(pool, sinks=2, attention=attention)
+    check(fresh)
+    fresh.attach(list(other.block_table), other.sink_k, other.sink_v)
+    check(fresh)
+    layer.drop_blocks(np.array([1, 2]), lambda k, by: k, pool.allocate)
+    check(layer)
+    add(layer, 1)
+    layer.release()
+    check(layer)
+
+
 def test_a_full_pool_is_kv_pool_full_through_the_model_and_the_engine(tmp_path):
     """The whole forward path of a tiny model with a pool budget: decoding fills the pool and the
     forward pass raises KVPoolFull (not ContextFull, not a MemoryError); `generate` ends the

@@ -191,6 +191,19 @@ def test_block_locations():
     assert [pool._locate(b) for b in (0, 3, 4, 9)] == [(0, 0), (0, 3), (1, 0), (2, 1)]
 
 
+def test_row_addresses_point_at_each_blocks_rows_across_slabs():
+    pool = make_pool(slab_blocks=4)
+    blocks = [pool.allocate() for _ in range(10)]  # three slabs
+    order = [9, 0, 4, 3, 8, 5]
+    k_rows, v_rows = pool.row_addresses(order)
+    assert k_rows.dtype == v_rows.dtype == np.int64
+    assert list(k_rows) == [pool.k_row(b).ctypes.data for b in order]
+    assert list(v_rows) == [pool.v_row(b).ctypes.data for b in order]
+    assert all(len(rows) == 0 for rows in pool.row_addresses([]))
+    pool.decref(blocks[2])
+    assert pool.allocate() == 2 and list(pool.row_addresses([2])[0]) == [pool.k_row(2).ctypes.data]
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_write_dequantize_round_trip(name):
     """Every format, as K and as V: the rows hold exactly the format's bytes, and dequantize gives

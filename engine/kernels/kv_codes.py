@@ -494,7 +494,8 @@ def weighted_values(
 
 @njit(cache=True, nogil=True)
 def _row_at(addr, n):
-    """The pool row of n bytes at address `addr` (a row of a live slab; see `row_addresses`)."""
+    """The pool row of n bytes at address `addr` (a row of a live slab; see
+    `LayerBlockPool.row_addresses`)."""
     return carray(u8_pointer(addr), (n,))
 
 
@@ -1230,14 +1231,3 @@ def decode_layout(fmt, n_kv_heads: int, block_tokens: int, head_dim: int) -> tup
     """`_layout` of a format as the tuple `decode_attention` takes (row bytes appended)."""
     layout, row_bytes = _layout(fmt, n_kv_heads, block_tokens, head_dim)
     return tuple(int(v) for v in layout) + (int(row_bytes),)
-
-
-def row_addresses(slabs: list[np.ndarray], slab_blocks: int, blocks) -> np.ndarray:
-    """(nb,) int64 addresses of the pool rows of `blocks` (block b: slab b // slab_blocks, row
-    b % slab_blocks). Valid while the slabs live: a pool keeps its slabs until it is dropped."""
-    ids = np.asarray(blocks, dtype=np.int64)
-    if not len(ids):
-        return ids
-    bases = np.fromiter((s.ctypes.data for s in slabs), dtype=np.int64, count=len(slabs))
-    row_bytes = slabs[0].shape[1]
-    return bases[ids // slab_blocks] + (ids % slab_blocks) * row_bytes

@@ -42,6 +42,8 @@ class LayerBlockPool:
         self.v_row_bytes = v_format.bytes_per_block(n_kv_heads, block_size, value_dim)
         self.k_slabs: list[np.ndarray] = []
         self.v_slabs: list[np.ndarray] = []
+        self._k_bases = np.zeros(0, np.int64)  # (n_slabs,) address of each slab's first row
+        self._v_bases = np.zeros(0, np.int64)
         self.ref_cnt: list[int] = []
         self._free: deque[int] = deque()
 
@@ -66,6 +68,8 @@ class LayerBlockPool:
             if block % self.slab_blocks == 0:
                 self.k_slabs.append(np.zeros((self.slab_blocks, self.k_row_bytes), np.uint8))
                 self.v_slabs.append(np.zeros((self.slab_blocks, self.v_row_bytes), np.uint8))
+                self._k_bases = np.append(self._k_bases, self.k_slabs[-1].ctypes.data)
+                self._v_bases = np.append(self._v_bases, self.v_slabs[-1].ctypes.data)
             self.ref_cnt.append(0)
         self.ref_cnt[block] = 1
         return block
@@ -105,6 +109,12 @@ class LayerBlockPool:
         slab, row = self._locate(block)
         self.k_slabs[slab][row] = k_row
         self.v_slabs[slab][row] = v_row
+
+    def row_addresses(self, blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(nb,) int64 addresses of the K and of the V rows of `blocks` (for kernels that read
+        the rows by address). Valid while the pool lives: slabs are never freed or moved."""
+        slab, row = np.divmod(np.array(blocks, np.int64), self.slab_blocks)
+        return self._k_bases[slab] + row * self.k_row_bytes, self._v_bases[slab] + row * self.v_row_bytes
 
     def k_row(self, block: int) -> np.ndarray:
         slab, row = self._locate(block)

@@ -70,8 +70,10 @@ class PagedLayerCache(LayerKVCache):
         self.sink_v = np.zeros((Hkv, sinks, Dv), np.float32)
         self._runs_key: tuple = ()
         self._runs: list = []
-        self._rows_key: tuple = ()
-        self._rows: tuple = ()
+        # row_addresses() of the table when it had _rows_n blocks; code that puts blocks into
+        # the table sets _rows to None (taking blocks out only shortens it: never back to _rows_n)
+        self._rows: tuple[np.ndarray, np.ndarray] | None = None
+        self._rows_n = 0
         self.track_attention = track_attention
         self.attn_mass = np.zeros(0, np.float32)
         self.defer_release = defer_release
@@ -205,6 +207,7 @@ class PagedLayerCache(LayerKVCache):
         self.n_tail = view.n_recent
         if view.filled:  # later queries see the full block quantized
             self.block_table.extend(view.filled)
+            self._rows = None
             self.n_tail = 0
 
     # -- storing -----------------------------------------------------------------------------
@@ -309,6 +312,7 @@ class PagedLayerCache(LayerKVCache):
                 recent_kq[:, : n_full * B] = kq.transpose(1, 0, 2, 3).reshape(Hkv, n_full * B, D)
                 recent_vq[:, : n_full * B] = vq.transpose(1, 0, 2, 3).reshape(Hkv, n_full * B, -1)
         self.block_table.extend(new_blocks)
+        self._rows = None
         first = start - self.n_tail  # position of recent column 0 (a block start)
         keep = -1 if self.keep_at is None else (self.keep_at - first) // B
         for j in sorted({keep, n_full - 1}):  # the kept block if it filled now, and the last
@@ -351,16 +355,11 @@ class PagedLayerCache(LayerKVCache):
 
     # -- where the blocks are ----------------------------------------------------------------
     def row_addresses(self) -> tuple[np.ndarray, np.ndarray]:
-        """Addresses of the K and V pool rows of the block table (`kv_codes.row_addresses`),
-        cached until the table or the pool's slabs change."""
-        pool = self.pool
-        key = (tuple(self.block_table), len(pool.k_slabs))
-        if self._rows_key != key:
-            from ..kernels import kv_codes  # (here, not per call: an import statement costs ~1 us)
-
-            self._rows = (kv_codes.row_addresses(pool.k_slabs, pool.slab_blocks, self.block_table),
-                          kv_codes.row_addresses(pool.v_slabs, pool.slab_blocks, self.block_table))
-            self._rows_key = key
+        """Addresses of the K and V pool rows of the block table (`LayerBlockPool.row_addresses`),
+        cached until blocks join the table or leave it."""
+        if self._rows is None or self._rows_n != len(self.block_table):
+            self._rows = self.pool.row_addresses(self.block_table)
+            self._rows_n = len(self.block_table)
         return self._rows
 
     def slab_runs(self, blocks: list[int]) -> list[tuple[int, np.ndarray, slice | np.ndarray]]:
@@ -448,6 +447,7 @@ class PagedLayerCache(LayerKVCache):
         for b in table:
             self.pool.incref(b)
         self.block_table = list(table)
+        self._rows = None
         self.first_position = first * self.B
         self.offset = n * self.B
         self.n_tail = 0
@@ -518,6 +518,7 @@ class PagedLayerCache(LayerKVCache):
         self.first_position -= B * int(np.searchsorted(dropped, base))
         self.offset -= total
         self.block_table = kept
+        self._rows = None
 
     def release(self) -> None:
         """Return every block to the pool."""
