@@ -92,7 +92,7 @@ class SequenceBatch(KVCache):
         if any(len(c) != n_layers for c in caches):
             raise ValueError("the sequences of a batch must have the same layers")
         self.bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        super().__init__([BatchLayer([c[i] for c in caches], self.bounds) for i in range(n_layers)])
+        super().__init__([BatchLayer(list(layers), self.bounds) for layers in zip(*(c.layers for c in caches))])
         self.caches = caches
         self.counts = counts
 
@@ -136,8 +136,13 @@ class SequenceBatch(KVCache):
             if pools is None:
                 continue  # a plain cache grows without a pool
             for i, (pool, layer) in enumerate(zip(pools, cache.layers)):
-                entry = needs.setdefault(id(pool), [pool, 0, i, getattr(cache, "prefix_cache", None)])
-                entry[1] += layer.blocks_needed(n_new)
+                n = layer.blocks_needed(n_new)
+                if n:
+                    entry = needs.get(id(pool))
+                    if entry is None:
+                        needs[id(pool)] = [pool, n, i, getattr(cache, "prefix_cache", None)]
+                    else:
+                        entry[1] += n
         short = [e for e in needs.values() if e[1] > e[0].n_free]
         for pool, n, layer, prefix_cache in short:
             if prefix_cache is not None:

@@ -114,14 +114,18 @@ class PagedKVCache(KVCache):
         Raises:
             KVPoolFull: naming the layer whose pool is full.
         """
-        needs = {i: layer.blocks_needed(n_tokens)  # free blocks each short layer must reach
-                 for i, (pool, layer) in enumerate(zip(self.pools, self.layers))
-                 if layer.blocks_needed(n_tokens) > pool.n_free}
-        if needs and self.prefix_cache is not None:
-            self.prefix_cache.evict(layer_needs=needs)
+        needs = {}  # free blocks each short layer must reach
         for i, (pool, layer) in enumerate(zip(self.pools, self.layers)):
-            if layer.blocks_needed(n_tokens) > pool.n_free:
-                raise KVPoolFull(f"the KV cache of layer {i} is full ({pool.max_blocks} blocks)")
+            n = layer.blocks_needed(n_tokens)
+            if n and n > pool.n_free:
+                needs[i] = n
+        if not needs:
+            return
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict(layer_needs=needs)
+        for i, n in needs.items():  # (evicting only frees blocks: the other layers still fit)
+            if n > self.pools[i].n_free:
+                raise KVPoolFull(f"the KV cache of layer {i} is full ({self.pools[i].max_blocks} blocks)")
 
     def protected_blocks(self) -> int:
         """Leading full blocks no policy drops: the pinned prefix, and the sink block(s) unless

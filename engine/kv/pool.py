@@ -129,7 +129,7 @@ class LayerBlockPool:
         """Blocks allocate() can still hand out without growing past max_blocks."""
         if self.max_blocks is None:
             return 1 << 62
-        return len(self._free) + self.max_blocks - self.n_blocks
+        return len(self._free) + self.max_blocks - len(self.ref_cnt)
 
     def runs(self, blocks: list[int]) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """Group a sequence's blocks by slab: [(slab, rows in the slab, indices into `blocks`)]."""
