@@ -16,6 +16,8 @@ from numbers import Integral, Real
 
 import numpy as np
 
+from .kernels.norms import running_sum
+
 NUCLEUS_FIRST_GUESS = 256
 NUCLEUS_GROWTH = 8
 MIN_P_PREFILTER_SLACK = 1e-6
@@ -209,7 +211,7 @@ class Sampler:
         ids, weights = self._candidates(logits, history)
         if weights.size == 1:
             return int(ids[0]) if ids is not None else 0
-        cumulative = np.cumsum(weights, out=self._buffer("cumulative", weights.size))
+        cumulative = running_sum(weights, self._buffer("cumulative", weights.size))
         index = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
         index = min(index, weights.size - 1)
         return int(ids[index]) if ids is not None else index

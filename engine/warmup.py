@@ -131,7 +131,8 @@ def start_warm_up(wait: bool | None = None) -> None:
     pool.defer_pool()
     kv = "engine.kernels.kv_codes"
     background.start([
-        (norms.NORM_KERNELS, "engine.kernels.norms:_compile_norms", ["engine.kernels.norms:_rms_rows"]),
+        (norms.NORM_KERNELS, "engine.kernels.norms:_compile_norms",
+         ["engine.kernels.norms:_rms_rows", "engine.kernels.norms:_running_sum"]),
         (POOL_KERNELS, "engine.kernels.pool:warm_up_pool",
          ["engine.kernels.pool:_pool_matvec", "engine.kernels.pool:_worker_loop"]),
         (BATCHED_KERNELS, f"{__name__}:_compile_batched", [f"{kv}:masked_softmax"]),

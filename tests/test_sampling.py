@@ -289,6 +289,32 @@ def test_large_vocabulary_matches_plain_pipeline(params):
 # --------------------------------------------------------------------------- stop strings
 
 
+def test_running_sum_is_cumsum_bit_for_bit():
+    """`kernels.norms.running_sum` (the draw's cumulative weights): np.cumsum's sums exactly,
+    compiled or not, over weights spanning many magnitudes (where the order of additions shows)."""
+    from engine.kernels import norms
+
+    rng = np.random.default_rng(5)
+    for n in (1, 7, 1000, 49152):
+        w = np.exp(rng.standard_normal(n) * 12)
+        out = np.empty(n)
+        assert np.array_equal(norms.running_sum(w, out), np.cumsum(w))
+        assert np.array_equal(norms.running_sum(w[::2], np.empty(len(w[::2]))), np.cumsum(w[::2]))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.7, top_k=50, seed=4),
+                                    SamplingParams(temperature=0.9, min_p=0.01, seed=5)])
+def test_draws_are_the_same_with_the_compiled_running_sum_and_without(params, monkeypatch):
+    from engine.kernels import norms
+
+    logits = [random_logits(49152, seed=i) for i in range(40)]
+    compiled = Sampler(params)
+    picks = [compiled.sample(x) for x in logits]
+    monkeypatch.setattr(norms, "_running_sum", None)
+    plain = Sampler(params)
+    assert [plain.sample(x) for x in logits] == picks
+
+
 def test_stop_across_chunks():
     matcher = StopStringMatcher(["llo"])
     assert matcher.push("Hel") == ("He", False)
