@@ -154,15 +154,13 @@ class LayerBlockPool:
     # -- accounting --------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes of the slabs actually allocated."""
-        return sum(s.nbytes for s in self.k_slabs) + sum(s.nbytes for s in self.v_slabs)
+        """Bytes of the slabs actually allocated (every slab slab_blocks rows of one row size)."""
+        return len(self.k_slabs) * self.slab_blocks * (self.k_row_bytes + self.v_row_bytes)
 
     @property
     def used_bytes(self) -> int:
         """Bytes of the rows of blocks in use (each a row of an allocated slab)."""
-        if not self.k_slabs:
-            return 0
-        return self.n_used * (self.k_slabs[0][0].nbytes + self.v_slabs[0][0].nbytes)
+        return self.n_used * (self.k_row_bytes + self.v_row_bytes)
 
 
 def build_pools(config, n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int, *,
