@@ -339,16 +339,29 @@ def test_disconnecting_clients_leave_kv_in_use_at_its_baseline(tiny):
 
 def test_a_request_waits_for_kv_budget_then_gets_429_and_the_running_one_finishes(tiny_path):
     # one sequence's worth of KV: while the first request holds it, the second cannot start. The
-    # wait is short (50 ms) because the tiny model can finish the first request's 472 tokens in
-    # well under a second on an idle machine, which would free the budget before the wait ends.
+    # tiny model finishes the first request's 472 tokens in well under a tenth of a second, which
+    # would free the budget before the second's wait ends: the engine thread is held between two
+    # steps (`Scheduler.call`) from the first request's start until the second has waited past
+    # its timeout, whatever the speed of the machine.
     thread = start(tiny_path, max_batch=4, kv_tokens=TINY_CTX, queue_timeout=0.05)
+    scheduler = thread.server.scheduler
     try:
         c = client(thread)
-        long_stream = chat(c, "go on", max_tokens=TINY_CTX - 40, stream=True)
-        first = next(iter(long_stream))  # admitted and running
+
+        def hold():  # on the engine thread, the first request running
+            deadline = time.monotonic() + 60
+            while not scheduler._inbox and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.2)
+
+        long_stream = chat(c, "go on", max_tokens=TINY_CTX - 40, stream=True)  # admitted
+        held = threading.Thread(target=scheduler.call, args=(hold,), kwargs={"timeout": 120})
+        held.start()
+        first = next(iter(long_stream))
         assert first.choices[0].delta.role == "assistant"
         with pytest.raises(openai.RateLimitError) as info:
             chat(c, "me too", max_tokens=TINY_CTX - 40)
+        held.join()
         assert info.value.response.headers["retry-after"]
         assert info.value.response.json()["error"]["code"] == "kv_budget_exhausted"
         reasons = [ch.choices[0].finish_reason for ch in long_stream if ch.choices]
