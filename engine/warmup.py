@@ -136,6 +136,6 @@ def start_warm_up(wait: bool | None = None) -> None:
         (POOL_KERNELS, "engine.kernels.pool:warm_up_pool",
          ["engine.kernels.pool:_pool_matvec", "engine.kernels.pool:_worker_loop"]),
         (BATCHED_KERNELS, f"{__name__}:_compile_batched", [f"{kv}:masked_softmax"]),
-        (DECODE_KERNELS, f"{__name__}:_compile_decode", [f"{kv}:decode_attention"]),
+        (DECODE_KERNELS, f"{__name__}:_compile_decode", [f"{kv}:decode_attention", f"{kv}:store_tail_row"]),
         (PACKED_KERNELS, f"{__name__}:_compile_packed", [f"{kv}:_run"]),
     ])

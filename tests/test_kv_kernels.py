@@ -25,6 +25,48 @@ def _reference(fmt, pool, ids, q, p, t, d):
 # ---- float16 -> float32 ---------------------------------------------------------------------------
 
 
+def _tail_rows_rounded(bits: np.ndarray) -> np.ndarray:
+    """`kv_codes.store_tail_row` applied to float32 bit patterns (n a multiple of 128): as k and v
+    rows of 64 values, read back from the tails (float32 bits)."""
+    from engine.kernels.kv_codes import store_tail_row
+
+    rows = bits.view(np.float32).reshape(2, -1, 64)  # (k | v, Hkv, D)
+    tail_k, tail_v = (np.zeros((rows.shape[1], 3, 64), np.float32) for _ in range(2))
+    store_tail_row(rows[0], rows[1], tail_k, tail_v, 1)
+    assert not tail_k[:, ::2].any() and not tail_v[:, ::2].any()  # only column 1 written
+    return np.concatenate([tail_k[:, 1], tail_v[:, 1]]).reshape(-1).view(np.uint32)
+
+
+def _numpy_rounded(bits: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bits.view(np.float32).astype(np.float16).astype(np.float32).view(np.uint32)
+
+
+def test_tail_rows_round_to_float16_as_numpy_does():
+    """The compiled copy of a decode token into the tail (`store_tail_row`) rounds to float16 as
+    `astype(np.float16)` does, bit for bit (NaN payloads too): around every float16 boundary
+    (ties to even, the subnormal halves, the largest half and overflow) and on random patterns."""
+    rng = np.random.default_rng(0)
+    edges = []
+    for exp in range(0x60, 0x90):  # float32 exponents from far below float16's subnormals to past 65504
+        for low in (0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3000, 0x7FFFFF, 0x7FE000, 0x7FF000):
+            for high in (0, 0x2000, 0x4000, 0x7FC000):
+                edges.append((exp << 23) | high | (low & 0x7FFFFF))
+    edges += [0, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x477FE000, 0x477FEFFF, 0x477FF000, 0x47800000]
+    bits = np.array(edges, np.uint32)
+    bits = np.concatenate([bits, bits | np.uint32(0x80000000), rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint32)])
+    bits = np.concatenate([bits, np.zeros(-len(bits) % 128, np.uint32)])
+    np.testing.assert_array_equal(_tail_rows_rounded(bits), _numpy_rounded(bits))
+
+
+@pytest.mark.slow
+def test_tail_rows_round_to_float16_as_numpy_does_on_every_bit_pattern():
+    chunk = 1 << 24
+    for start in range(0, 1 << 32, chunk):
+        bits = np.arange(start, start + chunk, dtype=np.uint64).astype(np.uint32)
+        np.testing.assert_array_equal(_tail_rows_rounded(bits), _numpy_rounded(bits))
+
+
 def test_f16_conversion_matches_numpy_on_every_bit_pattern():
     from engine.kernels.kv_codes import f16_bits_to_f32
 

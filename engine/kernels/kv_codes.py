@@ -1231,3 +1231,59 @@ def decode_layout(fmt, n_kv_heads: int, block_tokens: int, head_dim: int) -> tup
     """`_layout` of a format as the tuple `decode_attention` takes (row bytes appended)."""
     layout, row_bytes = _layout(fmt, n_kv_heads, block_tokens, head_dim)
     return tuple(int(v) for v in layout) + (int(row_bytes),)
+
+
+@njit(cache=True, inline="always")
+def _f16_rounded_bits(f):
+    """The float32 bits of the float32 with bits f (an int64) rounded to float16 and back, as
+    x.astype(np.float16).astype(np.float32) gives them: numpy's npy_floatbits_to_halfbits (round
+    half to even, subnormal halves, overflow to infinity, a NaN stays a NaN), then
+    npy_halfbits_to_floatbits, step for step."""
+    sign = f & 0x80000000
+    f_exp = f & 0x7F800000
+    f_sig = f & 0x007FFFFF
+    if f_exp >= 0x47800000:  # infinity, NaN, or too large for a half: infinity
+        if f_exp == 0x7F800000 and f_sig != 0:
+            h = f_sig >> 13
+            return sign | 0x7F800000 | ((h if h else 1) << 13)
+        return sign | 0x7F800000
+    if f_exp <= 0x38000000:  # a subnormal half, or zero
+        if f_exp < 0x33000000:
+            return sign
+        e = f_exp >> 23
+        s = (0x00800000 + f_sig) >> (113 - e)
+        if (s & 0x3FFF) != 0x1000 or (f & 0x7FF) != 0:
+            s += 0x1000
+        h = s >> 13  # 0x400 when the rounding spills into the smallest normal
+    else:
+        s = f_sig
+        if (s & 0x3FFF) != 0x1000:
+            s += 0x1000
+        h = (s >> 13) + ((f_exp - 0x38000000) >> 13)  # 0x7c00: rounded up to infinity
+    if h >= 0x7C00:
+        return sign | 0x7F800000
+    if h >= 0x400:
+        return sign | ((h + 0x1C000) << 13)
+    if h == 0:
+        return sign
+    h_exp = 0  # a subnormal half: normalized into a float32
+    h <<= 1
+    while (h & 0x400) == 0:
+        h <<= 1
+        h_exp += 1
+    return sign | ((127 - 15 - h_exp) << 23) | ((h & 0x3FF) << 13)
+
+
+@njit(cache=True, nogil=True)
+def store_tail_row(k, v, tail_k, tail_v, n):
+    """tail_k[:, n] = k and tail_v[:, n] = v rounded to float16 (the values k.astype(np.float16)
+    gives, stored as float32): k (Hkv, D), v (Hkv, Dv) float32 C-contiguous, the tails (Hkv, B, D)
+    and (Hkv, B, Dv) float32 C-contiguous. numpy's float16 casts take ~1.5 ns a value each way
+    here (scalar), and two assignments per row."""
+    kb, vb = k.view(np.uint32), v.view(np.uint32)
+    tkb, tvb = tail_k.view(np.uint32), tail_v.view(np.uint32)
+    for h in range(kb.shape[0]):
+        for d in range(kb.shape[1]):
+            tkb[h, n, d] = _f16_rounded_bits(np.int64(kb[h, d]))
+        for d in range(vb.shape[1]):
+            tvb[h, n, d] = _f16_rounded_bits(np.int64(vb[h, d]))

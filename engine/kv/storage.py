@@ -26,10 +26,16 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import KVPoolFull
+from ..kernels import HAVE_NUMBA
 from .cache import LayerKVCache
 from .formats import hadamard
 from .paged_attention import NO_MASS, BatchView, DecodeView, choose_attention
 from .pool import LayerBlockPool
+
+if HAVE_NUMBA:  # (used on the decode kernel's paths only: compiled with them, `warmup._compile_decode`)
+    from ..kernels.kv_codes import store_tail_row
+else:
+    store_tail_row = None
 
 
 def round_f16(x: np.ndarray) -> np.ndarray:
@@ -144,14 +150,14 @@ class PagedLayerCache(LayerKVCache):
         Hkv = self.pool.n_kv_heads
         q, k = self._rotated(q, k)
         query = np.ascontiguousarray(q[0].reshape(Hkv, H // Hkv, D), dtype=np.float32)
-        return self._stage(query, k[0].astype(np.float16), v[0].astype(np.float16))
+        return self._stage(query, k[0], v[0])
 
     @staticmethod
     def stage_tokens(layers: list[PagedLayerCache], q: np.ndarray, k: np.ndarray,
                      v: np.ndarray) -> tuple[list[DecodeView], np.ndarray]:
         """`stage_token` for one new token in each of `layers` (one layer of n sequences over one
         pool, all with or all without the rotation; q (n, H, D), k (n, Hkv, D), v (n, Hkv, Dv), row
-        i layers[i]'s), the rotation, float16 rounding and query layout done once for the n rows.
+        i layers[i]'s), the rotation and the queries' layout done once for the n rows.
         Returns (views, queries): views[i] bit for bit what layers[i].stage_token(q[i:i+1],
         k[i:i+1], v[i:i+1]) gives (np.matmul multiplies a stack matrix by matrix, as it does a
         stack of one), and their queries as one C-contiguous (n, Hkv, G, D) float32 array (each
@@ -168,11 +174,11 @@ class PagedLayerCache(LayerKVCache):
         if first.rotation is not None:
             q, k = q @ first.rotation, k @ first.rotation
         queries = np.ascontiguousarray(q.reshape(n, Hkv, H // Hkv, D), dtype=np.float32)
-        k16, v16 = k.astype(np.float16), v.astype(np.float16)  # (n, Hkv, D), (n, Hkv, Dv)
+        k, v = np.ascontiguousarray(k, dtype=np.float32), np.ascontiguousarray(v, dtype=np.float32)
         views = []
         try:
             for i, layer in enumerate(layers):
-                views.append(layer._stage(queries[i], k16[i], v16[i]))
+                views.append(layer._stage(queries[i], k[i], v[i]))
         except BaseException:  # the blocks staged so far go back to the pool
             for view in views:
                 for block in view.filled:
@@ -180,13 +186,18 @@ class PagedLayerCache(LayerKVCache):
             raise
         return views, queries
 
-    def _stage(self, query: np.ndarray, k16: np.ndarray, v16: np.ndarray) -> DecodeView:
+    def _stage(self, query: np.ndarray, k: np.ndarray, v: np.ndarray) -> DecodeView:
         """`stage_token`'s work on the token in the stored keys' basis: query (Hkv, G, D) float32
-        contiguous, k16 (Hkv, D) and v16 (Hkv, Dv) float16."""
+        contiguous, k (Hkv, D), v (Hkv, Dv)."""
         B, S = self.B, self.n_sinks
         start, n = self.offset, self.n_tail
-        self.tail_k[:, n] = k16  # float16-rounded, as stored everywhere else
-        self.tail_v[:, n] = v16
+        # float16-rounded, as stored everywhere else (the compiled copy gives numpy's bits)
+        if (store_tail_row is not None and k.dtype == v.dtype == np.float32 and k.flags.c_contiguous
+                and v.flags.c_contiguous):
+            store_tail_row(k, v, self.tail_k, self.tail_v, n)
+        else:
+            self.tail_k[:, n] = k.astype(np.float16)
+            self.tail_v[:, n] = v.astype(np.float16)
         if start < S:
             self.sink_k[:, start] = self.tail_k[:, n]
             self.sink_v[:, start] = self.tail_v[:, n]
