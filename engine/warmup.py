@@ -62,6 +62,7 @@ def _compile_decode() -> None:
     view = layer.stage_token(q[37:38], k[37:38], k[37:38])  # and its batch form (one call, 2 rows)
     layer.attention.decode.attend_many([view, view], scale=0.25, window=None)
     layer.commit_token(view)
+    layer.attention.attend_rows(layer, q[38:40], k[38:40], k[38:40], scale=0.25, window=None)  # a draft's rows
 
 
 def _compile_packed() -> None:
@@ -136,6 +137,7 @@ def start_warm_up(wait: bool | None = None) -> None:
         (POOL_KERNELS, "engine.kernels.pool:warm_up_pool",
          ["engine.kernels.pool:_pool_matvec", "engine.kernels.pool:_worker_loop"]),
         (BATCHED_KERNELS, f"{__name__}:_compile_batched", [f"{kv}:masked_softmax"]),
-        (DECODE_KERNELS, f"{__name__}:_compile_decode", [f"{kv}:decode_attention", f"{kv}:store_tail_row"]),
+        (DECODE_KERNELS, f"{__name__}:_compile_decode", [f"{kv}:decode_attention", f"{kv}:store_tail_row",
+                                                          f"{kv}:decode_rows_attention"]),
         (PACKED_KERNELS, f"{__name__}:_compile_packed", [f"{kv}:_run"]),
     ])

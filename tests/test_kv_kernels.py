@@ -299,12 +299,13 @@ def test_masked_softmax_matches_numpy_within_float_rounding():
 
 
 @pytest.mark.parametrize("bits", [16, 8, 6, 5, 4, 3, 2])
-@pytest.mark.parametrize("n_q", [1, 2, 3, 4])
+@pytest.mark.parametrize("n_q", [1, 2, 3, 4, 5, 8])
 def test_vector_intrinsics_read_every_width(bits, n_q):
     """`_vec_scores` / `_vec_values` against numpy on packed random codes (bits 16: float16
     values, specials excepted): one group per row (channel-axis keys, scales folded; float16) and
     token-axis groups with their scales, queries and sums in the intrinsics' channel order; an
-    odd token count and rows padded past n_q."""
+    odd token count and rows padded past n_q. Each query's result is bit for bit the one it gets
+    alone (n_q = 1): a verified draft's rows share the tile passes (`decode_rows_attention`)."""
     from engine.kernels.kv_codes import SCORE_CHUNK, VALUE_CHUNK, _chunk_order, _vec_scores, _vec_values
     from engine.kv.formats import pack_codes
 
@@ -319,7 +320,7 @@ def test_vector_intrinsics_read_every_width(bits, n_q):
         codes = rng.integers(0, 1 << bits, (T, D)).astype(np.uint8)
         tile = np.ascontiguousarray(pack_codes(codes, bits))  # (T, D*bits/8)
         x = codes.astype(np.float64)
-    q = rng.standard_normal((4, D)).astype(np.float32)
+    q = rng.standard_normal((8, D)).astype(np.float32)
     s_order = np.array([_chunk_order(bits, SCORE_CHUNK, d) for d in range(D)])
     v_order = np.array([_chunk_order(bits, VALUE_CHUNK, d) for d in range(D)])
     assert sorted(s_order) == list(range(D)) and sorted(v_order) == list(range(D))
@@ -328,18 +329,26 @@ def test_vector_intrinsics_read_every_width(bits, n_q):
     for group in (D, 32):
         n_grp = D // group
         sc = np.ones((T, 1), np.float32) if group == D else rng.random((T, n_grp)).astype(np.float32)
-        out = np.full((4, T + 2), np.nan, np.float32)
+        out = np.full((8, T + 2), np.nan, np.float32)
         _vec_scores(n_q, bits, tile.ctypes.data, T, q_ordered[:n_q], sc, group, out)
+        for k in range(n_q):
+            alone = np.full((1, T), np.nan, np.float32)
+            _vec_scores(1, bits, tile.ctypes.data, T, q_ordered[k : k + 1], sc, group, alone)
+            assert np.array_equal(alone[0], out[k, :T])
         scaled = x * np.repeat(sc, group, axis=1)  # code * its token's group scale
         np.testing.assert_allclose(out[:n_q, :T], q[:n_q] @ scaled.T, rtol=2e-5, atol=2e-3)
         assert np.isnan(out[n_q:]).all() and np.isnan(out[:, T:]).all()  # nothing else written
     for group in (D, 32, 16):
         n_grp = D // group
-        w = rng.random((4, T, n_grp)).astype(np.float32)
-        acc = rng.standard_normal((4, D)).astype(np.float32)
+        w = rng.random((8, T, n_grp)).astype(np.float32)
+        acc = rng.standard_normal((8, D)).astype(np.float32)
         start = acc.copy()
         _vec_values(n_q, bits, tile.ctypes.data, T, w, group, acc)
-        weights = np.repeat(w, group, axis=2)  # (4, T, D): each channel's weight
+        for k in range(n_q):
+            alone = start[k : k + 1].copy()
+            _vec_values(1, bits, tile.ctypes.data, T, np.ascontiguousarray(w[k : k + 1]), group, alone)
+            assert np.array_equal(alone[0], acc[k])
+        weights = np.repeat(w, group, axis=2)  # (8, T, D): each channel's weight
         want = start[:, v_order] + np.einsum("ktd,td->kd", weights, x)[:, :]
         np.testing.assert_allclose(acc[:n_q][:, v_order], want[:n_q], rtol=2e-5, atol=2e-3)
         np.testing.assert_array_equal(acc[n_q:], start[n_q:])
@@ -369,7 +378,8 @@ def test_decode_block_passes_match_dequantize(name, geometry):
     """The decode step's block passes (`_block_scores`, `_block_values`) on pool rows read by
     address, every quantized format the spec can select and some it cannot, GQA groups of 1..5
     queries (5: a group of 4 and one more), head dims that take the vector intrinsics (64, 256,
-    32) and one that does not (48)."""
+    32) and one that does not (48); the queries in passes of 4 (a decode step) and of 8 or 2 (a
+    draft's rows, `decode_rows_attention`) give the same bits."""
     from engine.kernels.kv_codes import _block_scores, _block_values, decode_layout
 
     fmt = FORMATS[name]
@@ -383,19 +393,26 @@ def test_decode_block_passes_match_dequantize(name, geometry):
     rows = pool.ctypes.data + ids.astype(np.int64) * pool.shape[1]
     layout = decode_layout(fmt, h, t, d)
     s = np.full((h, g, len(ids) * t + 3), np.nan, np.float32)
-    _block_scores(rows, 1, len(ids), layout, t, q, s, 0, h)  # blocks 1.. only, like a sliding window
+    _block_scores(rows, 1, len(ids), layout, t, q, s, 0, h, 4)  # blocks 1.. only, like a sliding window
     np.testing.assert_allclose(s[:, :, t : len(ids) * t], s_ref[:, :, t:], rtol=1e-4, atol=2e-4)
     assert np.isnan(s[:, :, :t]).all() and np.isnan(s[:, :, len(ids) * t :]).all()
     out = np.zeros((h, g, d), np.float32)
-    _block_values(rows, 0, len(ids), layout, t, p, out, 0, h)
+    _block_values(rows, 0, len(ids), layout, t, p, out, 0, h, 4)
     np.testing.assert_allclose(out, o_ref, rtol=1e-4, atol=2e-4)
     if h > 1:  # heads 1.. alone: the same values, head 0 untouched
         s_part = np.full_like(s, np.nan)
-        _block_scores(rows, 1, len(ids), layout, t, q, s_part, 1, h)
+        _block_scores(rows, 1, len(ids), layout, t, q, s_part, 1, h, 4)
         assert np.array_equal(s_part[1:], s[1:], equal_nan=True) and np.isnan(s_part[0]).all()
         out_part = np.zeros_like(out)
-        _block_values(rows, 0, len(ids), layout, t, p, out_part, 1, h)
+        _block_values(rows, 0, len(ids), layout, t, p, out_part, 1, h, 4)
         assert np.array_equal(out_part[1:], out[1:]) and not out_part[0].any()
+    for group_q in (8, 2):
+        s_group = np.full_like(s, np.nan)
+        _block_scores(rows, 1, len(ids), layout, t, q, s_group, 0, h, group_q)
+        assert np.array_equal(s_group, s, equal_nan=True)
+        out_group = np.zeros_like(out)
+        _block_values(rows, 0, len(ids), layout, t, p, out_group, 0, h, group_q)
+        assert np.array_equal(out_group, out)
 
 
 @pytest.mark.parametrize("spec,n_kv_heads,group", [("full", 8, 4), ("k4v4", 3, 2), ("k6v4", 2, 5),
@@ -490,6 +507,50 @@ def test_decode_batch_calls_with_other_scales_each_use_their_own():
         alone = decode.attend(view, scale=scale, window=None)
         assert np.array_equal(together[0], alone) and np.array_equal(together[1], alone)
     layer.commit_token(view)
+
+
+@pytest.mark.parametrize("spec,n_kv_heads,group,head_dim", [
+    ("full", 2, 4, 64), ("k6v4", 3, 3, 64), ("k4v4", 2, 5, 64), ("k8v8,bs=32", 1, 8, 64), ("k3v2", 2, 2, 32),
+    ("k4v4", 2, 3, 48)])
+def test_a_drafts_rows_in_one_call_equal_each_decode_step(monkeypatch, spec, n_kv_heads, group, head_dim):
+    """`DecodeKernel.attend_rows` (a verified draft's rows in one pool job over the KV heads,
+    several rows' queries per tile pass: `kv_codes.decode_rows_attention`) gives each row bit for
+    bit its decode step's `attend`: 2, 3 and 7 rows (up to 56 queries per head: passes of
+    ROWS_GROUP_Q that mix rows), formats on the vector intrinsics and one head dim that is not
+    (48), windows; None when the rows' windows start in different blocks. With grace 0 (the
+    caller takes over the worker's heads at once) for one spec."""
+    from engine.kernels import pool as work_pool
+    from engine.kv.config import KVConfig
+    from engine.kv.paged import PagedKVCache
+    from engine.kv.paged_attention import DecodeKernel, PagedAttention, ReferenceAttention
+
+    config = KVConfig.parse(spec)
+    B = config.block_size
+    layer = PagedKVCache(config, n_layers=1, n_kv_heads=n_kv_heads, head_dim=head_dim)[0]
+    decode = DecodeKernel(layer.pool)
+    layer.attention = PagedAttention(ReferenceAttention(), None, decode, gated=False)
+    pool = work_pool.get_pool()
+    if pool is not None and spec == "k4v4":
+        monkeypatch.setattr(pool, "grace_per_byte", 0.0)
+    rng = np.random.default_rng(n_kv_heads * group)
+    n = 4 * B + 3  # four full blocks and a tail of 3: seven more rows fit in the tail's block
+    q = rng.standard_normal((n + 7, n_kv_heads * group, head_dim)).astype(np.float32)
+    k = rng.standard_normal((n + 7, n_kv_heads, head_dim)).astype(np.float32)
+    layer.attend(q[:n], k[:n], k[:n], scale=0.125, window=None)  # stored through the reference
+    for T in (2, 3, 7):
+        views = []
+        for i in range(n, n + T):
+            views.append(layer.stage_token(q[i : i + 1], k[i : i + 1], k[i : i + 1]))
+            layer.commit_token(views[-1])
+        for window in (None, 2 * B, n - B + 2):  # the last: row 0 sees from block 0's end, row 1 from block 1
+            rows = decode.attend_rows(views, scale=0.125, window=window)
+            if window == n - B + 2:
+                assert rows is None
+                continue
+            assert rows.shape == (T, n_kv_heads, group, head_dim)
+            for i, view in enumerate(views):
+                assert np.array_equal(rows[i], decode.attend(view, scale=0.125, window=window)), (T, window, i)
+        layer.trim(T)
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])

@@ -812,11 +812,21 @@ def _prefetch(typingctx, addr, n_bytes):
 
 _tile_scores_1, _tile_scores_2, _tile_scores_3, _tile_scores_4 = (_make_tile_scores(n) for n in range(1, 5))
 _tile_values_1, _tile_values_2, _tile_values_3, _tile_values_4 = (_make_tile_values(n) for n in range(1, 5))
+_tile_scores_5, _tile_scores_6, _tile_scores_7, _tile_scores_8 = (_make_tile_scores(n) for n in range(5, 9))
+_tile_values_5, _tile_values_6, _tile_values_7, _tile_values_8 = (_make_tile_values(n) for n in range(5, 9))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _vec_scores(n_q, bits, tile_addr, n_tokens, qs, sc, group, out):
-    if n_q == 4:
+    if n_q == 8:
+        _tile_scores_8(bits, tile_addr, n_tokens, qs, sc, group, out)
+    elif n_q == 7:
+        _tile_scores_7(bits, tile_addr, n_tokens, qs, sc, group, out)
+    elif n_q == 6:
+        _tile_scores_6(bits, tile_addr, n_tokens, qs, sc, group, out)
+    elif n_q == 5:
+        _tile_scores_5(bits, tile_addr, n_tokens, qs, sc, group, out)
+    elif n_q == 4:
         _tile_scores_4(bits, tile_addr, n_tokens, qs, sc, group, out)
     elif n_q == 3:
         _tile_scores_3(bits, tile_addr, n_tokens, qs, sc, group, out)
@@ -828,7 +838,15 @@ def _vec_scores(n_q, bits, tile_addr, n_tokens, qs, sc, group, out):
 
 @njit(cache=True, nogil=True, inline="always")
 def _vec_values(n_q, bits, tile_addr, n_tokens, w, group, acc):
-    if n_q == 4:
+    if n_q == 8:
+        _tile_values_8(bits, tile_addr, n_tokens, w, group, acc)
+    elif n_q == 7:
+        _tile_values_7(bits, tile_addr, n_tokens, w, group, acc)
+    elif n_q == 6:
+        _tile_values_6(bits, tile_addr, n_tokens, w, group, acc)
+    elif n_q == 5:
+        _tile_values_5(bits, tile_addr, n_tokens, w, group, acc)
+    elif n_q == 4:
         _tile_values_4(bits, tile_addr, n_tokens, w, group, acc)
     elif n_q == 3:
         _tile_values_3(bits, tile_addr, n_tokens, w, group, acc)
@@ -848,10 +866,20 @@ def _chunk_order(bits, chunk, d):
     return d - i + (i // 2 if i % 2 == 0 else chunk // 2 + i // 2)
 
 
+# Queries per pass over a tile (the intrinsics take 1..8): a decode step's GQA group in fours, a
+# verified draft's rows' queries in eights (`decode_rows_attention`). SmolLM2's layer at 680
+# tokens, K6V4, 3 KV heads, cache-hot, scores and values, minimums of 300 (Zen 5): 2 rows' 6
+# queries per head 56 us in passes of 3 (each row alone), 46 in one pass; 8 rows' 24 queries
+# 182 / 139.
+DECODE_GROUP_Q, ROWS_GROUP_Q = 4, 8
+
+
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _block_scores(k_rows, j0, j1, k_layout, B, q, s, h0, h1):
+def _block_scores(k_rows, j0, j1, k_layout, B, q, s, h0, h1, group_q):
     """s[h, g, j*B + t] = q[h, g]·k (unscaled) for the tokens of blocks j0..j1-1 and KV heads
-    h0..h1-1 (see `decode_attention` for the arguments)."""
+    h0..h1-1 (see `decode_attention` for the arguments); the vector path reads each tile once per
+    `group_q` (1..8) queries, each query's sums the same whatever the group (one compiled
+    function for every caller: group_q is an argument, not a constant the compiler could fold)."""
     Hkv, G, D = q.shape
     kb, kg, kc, ks, kcb, kng, krb = k_layout
     n_sc = 1 if kb == 16 else (D if kc else B * D // kg)
@@ -865,7 +893,7 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s, h0, h1):
     zd = np.empty(n_sc, np.float32)
     qs = np.empty((G, D), np.float32)
     bias = np.zeros(G, np.float32)
-    out4 = np.empty((4, B), np.float32)
+    out4 = np.empty((group_q, B), np.float32)
     no_scales = np.ones((B, 1), np.float32)
     q_sums = np.zeros((Hkv, G, n_grp), np.float32)  # token-axis groups: Σ of the query's channels
     q_ordered = np.empty((Hkv, G, D), np.float32)  # q in `_chunk_order`
@@ -912,8 +940,8 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s, h0, h1):
                     _tile_scales(row, h, n_sc, kb, ks, kcb, kng, sd, zd)
                     src = q_ordered[h]
                     sc = sd.reshape((B, n_grp))
-                for g0 in range(0, G, 4):
-                    n_q = min(4, G - g0)
+                for g0 in range(0, G, group_q):
+                    n_q = min(group_q, G - g0)
                     _vec_scores(n_q, kb, k_rows[j] + h * tile_bytes, B, src[g0 : g0 + n_q], sc,
                                 D if whole_rows else kg, out4)
                     for k in range(n_q):
@@ -946,8 +974,9 @@ def _block_scores(k_rows, j0, j1, k_layout, B, q, s, h0, h1):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _block_values(v_rows, j0, j1, v_layout, B, p, out, h0, h1):
-    """out[h, g] += Σ p[h, g, j*B + t]·v over the tokens of blocks j0..j1-1, KV heads h0..h1-1."""
+def _block_values(v_rows, j0, j1, v_layout, B, p, out, h0, h1, group_q):
+    """out[h, g] += Σ p[h, g, j*B + t]·v over the tokens of blocks j0..j1-1, KV heads h0..h1-1;
+    the vector path reads each tile once per `group_q` (1..8) queries (see `_block_scores`)."""
     Hkv, G, Dv = out.shape
     vb, vg, vc, vs, vcb, vng, vrb = v_layout
     n_sc = 1 if vb == 16 else (Dv if vc else B * Dv // vg)
@@ -957,9 +986,9 @@ def _block_values(v_rows, j0, j1, v_layout, B, p, out, h0, h1):
     x = np.empty(B * Dv, np.float32)
     sd = np.empty(n_sc, np.float32)
     zd = np.empty(n_sc, np.float32)
-    n_g4 = (G + 3) // 4  # queries in groups of 4 (the last one shorter)
-    acc = np.zeros((n_g4, 4, Dv), np.float32)
-    w = np.zeros((4, B, n_grp), np.float32)  # p * scale per (query, token, group)
+    n_g4 = (G + group_q - 1) // group_q  # queries in groups of group_q (the last one shorter)
+    acc = np.zeros((n_g4, group_q, Dv), np.float32)
+    w = np.zeros((group_q, B, n_grp), np.float32)  # p * scale per (query, token, group)
     z_sum = np.zeros((G, n_grp), np.float32)  # Σ_t p * offset: the same for a group's channels
     tile_bytes = B * Dv * vb // 8  # one head's codes in a block row
     for h in range(h0, h1):
@@ -978,9 +1007,9 @@ def _block_values(v_rows, j0, j1, v_layout, B, p, out, h0, h1):
                 if vb != 16:
                     _tile_scales(row, h, n_sc, vb, vs, vcb, vng, sd, zd)
                 for c in range(n_g4):
-                    n_q = min(4, G - 4 * c)
+                    n_q = min(group_q, G - group_q * c)
                     for k in range(n_q):
-                        m = 4 * c + k
+                        m = group_q * c + k
                         pm = p[h, m, j * B : (j + 1) * B]
                         wk = w[k]
                         if vb == 16:
@@ -1006,7 +1035,8 @@ def _block_values(v_rows, j0, j1, v_layout, B, p, out, h0, h1):
         if vector:
             for m in range(G):
                 for d in range(Dv):
-                    out[h, m, d] += acc[m // 4, m % 4, _chunk_order(vb, VALUE_CHUNK, d)] + z_sum[m, d // group]
+                    out[h, m, d] += (acc[m // group_q, m % group_q, _chunk_order(vb, VALUE_CHUNK, d)]
+                                     + z_sum[m, d // group])
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
@@ -1103,10 +1133,53 @@ def decode_attention_heads(k_rows, v_rows, k_layout, v_layout, B, q, scale, sink
     nb = k_rows.shape[0]
     s = np.empty((Hkv, G, nb * B + n_recent), np.float32)
     j0 = first_visible // B  # blocks wholly before the window are skipped
-    _block_scores(k_rows, j0, nb, k_layout, B, q, s, h0, h1)
+    _block_scores(k_rows, j0, nb, k_layout, B, q, s, h0, h1, DECODE_GROUP_Q)
     _softmax_and_full_precision(q, scale, sink_k, sink_v, sink0, n_sink_old, recent_k, recent_v, n_recent,
                                 first_visible, nb * B, s, mass, out, h0, h1)
-    _block_values(v_rows, j0, nb, v_layout, B, s, out, h0, h1)
+    _block_values(v_rows, j0, nb, v_layout, B, s, out, h0, h1, DECODE_GROUP_Q)
+
+
+@njit(cache=True, nogil=True)
+def decode_rows_attention(k_rows, v_rows, k_layout, v_layout, B, q, scale, sink_k, sink_v, sink0, n_sink_old,
+                          recent_k, recent_v, n_recent, first_visible, out, h0, h1):
+    """`decode_attention_heads` of T consecutive new tokens of one sequence (a verified draft) at
+    once, each row bit for bit its own decode step's: the block passes read each tile once for
+    up to ROWS_GROUP_Q of the rows' queries (a query's sums do not depend on its companions);
+    the sinks, the recent tokens and the softmax per row, as its step computes them.
+
+    q: (T, Hkv, G, D) float32, row i's query; rows 0..T-1 are positions p..p+T-1 and row i's own
+    block holds the recent tokens 0..n_recent+i-1 (n_recent: row 0's). first_visible: (T,) int64,
+    each row's (`decode_attention`), all in one block (j0 the same). out: (T, Hkv, G, Dv)."""
+    T, Hkv, G, D = q.shape
+    Dv = out.shape[3]
+    nb = k_rows.shape[0]
+    L_old = nb * B
+    j0 = first_visible[0] // B
+    qa = np.empty((Hkv, T * G, D), np.float32)  # every row's queries of a KV head together
+    for i in range(T):
+        for h in range(h0, h1):
+            for g in range(G):
+                qa[h, i * G + g] = q[i, h, g]
+    sa = np.empty((Hkv, T * G, L_old), np.float32)
+    _block_scores(k_rows, j0, nb, k_layout, B, qa, sa, h0, h1, ROWS_GROUP_Q)
+    oa = np.empty((Hkv, T * G, Dv), np.float32)
+    for i in range(T):
+        s = np.empty((Hkv, G, L_old + n_recent + i), np.float32)  # row i's step's scores
+        for h in range(h0, h1):
+            for g in range(G):
+                s[h, g, :L_old] = sa[h, i * G + g]
+        o = np.empty((Hkv, G, Dv), np.float32)
+        _softmax_and_full_precision(q[i], scale, sink_k, sink_v, sink0, n_sink_old, recent_k, recent_v,
+                                    n_recent + i, first_visible[i], L_old, s, np.zeros(0, np.float32), o, h0, h1)
+        for h in range(h0, h1):
+            for g in range(G):
+                sa[h, i * G + g] = s[h, g, :L_old]
+                oa[h, i * G + g] = o[h, g]
+    _block_values(v_rows, j0, nb, v_layout, B, sa, oa, h0, h1, ROWS_GROUP_Q)
+    for i in range(T):
+        for h in range(h0, h1):
+            for g in range(G):
+                out[i, h, g] = oa[h, i * G + g]
 
 
 # -- several sequences' decode steps in one call -------------------------------------------
@@ -1209,6 +1282,80 @@ def decode_rows_address() -> int:
 
                 _decode_rows_cfunc = cfunc(COMPUTE_SIG, nogil=True, cache=True)(_compute_decode_rows)
     return _decode_rows_cfunc.address
+
+
+# -- a verified draft's rows in one call, KV heads shared between threads ------------------
+# `decode_rows_attention` of one sequence's T rows as a pool job whose "rows" are its KV heads
+# (every row's queries of a head together, for the tile passes). The table: one row per KV head,
+# a decode batch's DF_* fields (DF_H0, DF_H1 the head) and DF_N_ROWS (T); DF_N_RECENT is row
+# 0's, DF_FIRST_VISIBLE row 0's first visible column before clipping at 0 (row i's is
+# max(0, that + i); NO_WINDOW without a window). x: rows of T*G*Dv floats holding the queries
+# (T, Hkv, G, D) from its start; out (T*G*Dv, Hkv): column h the outputs (T, G, Dv) of head h.
+DF_N_ROWS = DECODE_FIELDS
+ROWS_FIELDS = DECODE_FIELDS + 1
+NO_WINDOW = -(1 << 40)
+
+
+@njit(nogil=True, cache=True)
+def fill_rows_table(table, k_rows, v_rows, sink_k, sink_v, sink0, n_sink_old, tail_k, tail_v, n_recent,
+                    visible0, n_rows):
+    """The per-head fields of a rows job's table (row h: KV head h; the shared fields, DF_HKV on,
+    are the caller's)."""
+    for h in range(table.shape[0]):
+        fill_decode_row(table, h, k_rows, v_rows, sink_k, sink_v, sink0, n_sink_old, tail_k, tail_v, n_recent,
+                        visible0, h, h + 1)
+        table[h, DF_N_ROWS] = n_rows
+
+
+def _compute_rows_heads(table_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    """The pool's compute function for a rows job (see above): KV heads r0..r1-1 into out's
+    columns r - out_off."""
+    table = carray(_i64_pointer(table_addr), (n_rows, row_bytes // 8))
+    x = carray(f32_pointer(x_addr), (T * K,))
+    out = carray(f32_pointer(out_addr), (T, out_cols))
+    for r in range(r0, r1):
+        row = table[r]
+        Hkv, G, D, Dv = row[DF_HKV], row[DF_G], row[DF_D], row[DF_DV]
+        S, R, B, n = row[DF_SINKS], row[DF_TAIL_ROWS], row[DF_B], row[DF_N_ROWS]
+        nb = row[DF_N_BLOCKS]
+        kl, vl = DF_K_LAYOUT, DF_V_LAYOUT
+        k_layout = (row[kl], row[kl + 1], row[kl + 2], row[kl + 3], row[kl + 4], row[kl + 5], row[kl + 6])
+        v_layout = (row[vl], row[vl + 1], row[vl + 2], row[vl + 3], row[vl + 4], row[vl + 5], row[vl + 6])
+        visible = np.empty(n, np.int64)
+        for i in range(n):
+            visible[i] = max(0, row[DF_FIRST_VISIBLE] + i)
+        h0, h1 = row[DF_H0], row[DF_H1]
+        o = np.empty((n, Hkv, G, Dv), np.float32)
+        decode_rows_attention(carray(_i64_pointer(row[DF_K_ROWS]), (nb,)), carray(_i64_pointer(row[DF_V_ROWS]), (nb,)),
+                              k_layout, v_layout, B, x[: n * Hkv * G * D].reshape((n, Hkv, G, D)),
+                              _f32_at(row[DF_SCALE], (1,))[0], _f32_at(row[DF_SINK_K], (Hkv, S, D)),
+                              _f32_at(row[DF_SINK_V], (Hkv, S, Dv)), row[DF_SINK0], row[DF_N_SINK_OLD],
+                              _f32_at(row[DF_TAIL_K], (Hkv, R, D)), _f32_at(row[DF_TAIL_V], (Hkv, R, Dv)),
+                              row[DF_N_RECENT], visible, o, h0, h1)
+        c = r - out_off
+        j = 0
+        for i in range(n):
+            for h in range(h0, h1):
+                for g in range(G):
+                    for d in range(Dv):
+                        out[j, c] = o[i, h, g, d]
+                        j += 1
+
+
+_rows_heads_cfunc = None
+
+
+def rows_heads_address() -> int:
+    """The address of the compiled `_compute_rows_heads` (compiled, or loaded from numba's disk
+    cache, on the first call)."""
+    global _rows_heads_cfunc
+    if _rows_heads_cfunc is None:
+        with _decode_rows_lock:
+            if _rows_heads_cfunc is None:
+                from .pool import COMPUTE_SIG
+
+                _rows_heads_cfunc = cfunc(COMPUTE_SIG, nogil=True, cache=True)(_compute_rows_heads)
+    return _rows_heads_cfunc.address
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)

@@ -335,6 +335,7 @@ class DecodeKernel:
         # attend_many's table fields from DF_HKV on, by (G, D, sinks, tail rows, scale): the same
         # in every call of a model's layer; each holds the address of its float32 scale, kept here
         self._shared_fields: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._rows_fields: dict[float, tuple] = {}  # scale -> what every rows job's table shares
 
     def attend(self, view: DecodeView, *, scale: float, window: int | None) -> np.ndarray:
         """(Hkv, G, Dv) float32: the new token's attention output per query head. From
@@ -352,6 +353,43 @@ class DecodeKernel:
             np.float32(scale), view.sink_k, view.sink_v, view.first_position, view.n_sink_old,
             view.tail_k, view.tail_v, view.n_recent, first_visible, view.mass, out)
         return out
+
+    def attend_rows(self, views: list[DecodeView], *, scale: float, window: int | None) -> np.ndarray | None:
+        """(T, Hkv, G, Dv) float32: `attend` of each of T consecutive tokens of one sequence (a
+        verified draft: views over one block table, view i's tail its first n_recent + i rows; no
+        mass tracked), each bit for bit, from one pool job whose rows are the KV heads
+        (`kv_codes.decode_rows_attention`: each block read once for up to ROWS_GROUP_Q of the
+        rows' queries). None when the rows' windows start in different blocks."""
+        T = len(views)
+        first = views[0]
+        Hkv, G, D = first.query.shape
+        Dv, B = self.value_dim, self.block_size
+        if window is None:
+            visible0 = kv_codes.NO_WINDOW
+        else:
+            visible0 = first.position - window + 1 - first.first_position
+            if max(0, visible0) // B != max(0, visible0 + T - 1) // B:
+                return None
+        shared = self._rows_fields.get(scale)
+        if shared is None:  # the fields every head's row shares; the scale read by address, kept
+            box = np.array([scale], np.float32)
+            shared = self._rows_fields[scale] = (box, np.array(
+                (Hkv, G, D, Dv, first.sink_k.shape[1], first.tail_k.shape[1], B, box.ctypes.data,
+                 *self.k_layout, *self.v_layout), np.int64))
+        table = np.empty((Hkv, kv_codes.ROWS_FIELDS), np.int64)  # new each call: late workers read it
+        table[:, kv_codes.DF_HKV : kv_codes.DECODE_FIELDS] = shared[1]
+        kv_codes.fill_rows_table(table, first.k_rows, first.v_rows, first.sink_k, first.sink_v, first.first_position,
+                                 first.n_sink_old, first.tail_k, first.tail_v, first.n_recent, visible0, T)
+        n_out, n_q = T * G * Dv, T * Hkv * G * D  # a head's outputs of every row: one column
+        x = np.empty(n_out * -(-n_q // n_out), np.float32)  # the queries, as the pool's (n_out, K) x
+        q = x[:n_q].reshape(T, Hkv, G, D)
+        for i, view in enumerate(views):
+            q[i] = view.query
+        out = np.empty((n_out, Hkv), np.float32)
+        work = (len(first.k_rows) * B + first.n_recent) * (D + Dv) * 2  # a head's keys and values as float16
+        work_pool.run_rows(kv_codes.rows_heads_address(), work_pool.readonly(table.view(np.uint8)),
+                           x.reshape(n_out, -1), out, 1, work, (views, self.pool))
+        return out.reshape(T, G, Dv, Hkv).transpose(0, 3, 1, 2)
 
     def attend_many(self, views: list[DecodeView], *, scale: float, window: int | None,
                     head_parts: int = 1, queries: np.ndarray | None = None) -> np.ndarray:
@@ -486,7 +524,10 @@ class PagedAttention:
             view = layer.stage_token(q[i : i + 1], k[i : i + 1], v[i : i + 1])
             layer.commit_token(view)
             views.append(view)
-        return self.decode.attend_many(views, scale=scale, window=window).reshape(T, H, -1)
+        out = self.decode.attend_rows(views, scale=scale, window=window)
+        if out is None:
+            out = self.decode.attend_many(views, scale=scale, window=window)
+        return out.reshape(T, H, -1)
 
     def attend(self, layer, q, k, v, *, scale: float, window: int | None) -> np.ndarray:
         """Store the T new tokens in `layer` (a PagedLayerCache) and return their attention
