@@ -511,14 +511,16 @@ def test_decode_batch_calls_with_other_scales_each_use_their_own():
 
 @pytest.mark.parametrize("spec,n_kv_heads,group,head_dim", [
     ("full", 2, 4, 64), ("k6v4", 3, 3, 64), ("k4v4", 2, 5, 64), ("k8v8,bs=32", 1, 8, 64), ("k3v2", 2, 2, 32),
-    ("k4v4", 2, 3, 48)])
+    ("k4v4", 2, 3, 48), ("k4v4,rot", 2, 3, 64)])
 def test_a_drafts_rows_in_one_call_equal_each_decode_step(monkeypatch, spec, n_kv_heads, group, head_dim):
-    """`DecodeKernel.attend_rows` (a verified draft's rows in one pool job over the KV heads,
-    several rows' queries per tile pass: `kv_codes.decode_rows_attention`) gives each row bit for
-    bit its decode step's `attend`: 2, 3 and 7 rows (up to 56 queries per head: passes of
-    ROWS_GROUP_Q that mix rows), formats on the vector intrinsics and one head dim that is not
-    (48), windows; None when the rows' windows start in different blocks. With grace 0 (the
-    caller takes over the worker's heads at once) for one spec."""
+    """A verified draft's rows stored together (`PagedLayerCache.stage_rows`) and attended in one
+    pool job over the KV heads, several rows' queries per tile pass (`DecodeKernel.attend_rows`,
+    `kv_codes.decode_rows_attention`): each row bit for bit its decode step's `attend` after
+    `stage_token` (a second layer decoding the same tokens one by one), and the layers equal
+    after: 2, 3 and 7 rows (up to 56 queries per head: passes of ROWS_GROUP_Q that mix rows),
+    formats on the vector intrinsics and one head dim that is not (48), rotated keys, windows;
+    None when the rows' windows start in different blocks. With grace 0 (the caller takes over
+    the worker's heads at once) for one spec."""
     from engine.kernels import pool as work_pool
     from engine.kv.config import KVConfig
     from engine.kv.paged import PagedKVCache
@@ -526,9 +528,10 @@ def test_a_drafts_rows_in_one_call_equal_each_decode_step(monkeypatch, spec, n_k
 
     config = KVConfig.parse(spec)
     B = config.block_size
-    layer = PagedKVCache(config, n_layers=1, n_kv_heads=n_kv_heads, head_dim=head_dim)[0]
+    layer, alone = PagedKVCache(config, n_layers=2, n_kv_heads=n_kv_heads, head_dim=head_dim)
     decode = DecodeKernel(layer.pool)
-    layer.attention = PagedAttention(ReferenceAttention(), None, decode, gated=False)
+    for each in (layer, alone):
+        each.attention = PagedAttention(ReferenceAttention(), None, decode, gated=False)
     pool = work_pool.get_pool()
     if pool is not None and spec == "k4v4":
         monkeypatch.setattr(pool, "grace_per_byte", 0.0)
@@ -536,21 +539,29 @@ def test_a_drafts_rows_in_one_call_equal_each_decode_step(monkeypatch, spec, n_k
     n = 4 * B + 3  # four full blocks and a tail of 3: seven more rows fit in the tail's block
     q = rng.standard_normal((n + 7, n_kv_heads * group, head_dim)).astype(np.float32)
     k = rng.standard_normal((n + 7, n_kv_heads, head_dim)).astype(np.float32)
-    layer.attend(q[:n], k[:n], k[:n], scale=0.125, window=None)  # stored through the reference
+    for each in (layer, alone):
+        each.attend(q[:n], k[:n], k[:n], scale=0.125, window=None)  # stored through the reference
     for T in (2, 3, 7):
         views = []
         for i in range(n, n + T):
-            views.append(layer.stage_token(q[i : i + 1], k[i : i + 1], k[i : i + 1]))
-            layer.commit_token(views[-1])
+            views.append(alone.stage_token(q[i : i + 1], k[i : i + 1], k[i : i + 1]))
+            alone.commit_token(views[-1])
+        view, queries = layer.stage_rows(q[n : n + T], k[n : n + T], k[n : n + T])
+        for key in ("offset", "n_tail", "block_table"):
+            assert getattr(layer, key) == getattr(alone, key)
+        assert np.array_equal(layer.tail_k, alone.tail_k) and np.array_equal(layer.tail_v, alone.tail_v)
+        for i, one in enumerate(views):
+            assert np.array_equal(queries[i], one.query)
         for window in (None, 2 * B, n - B + 2):  # the last: row 0 sees from block 0's end, row 1 from block 1
-            rows = decode.attend_rows(views, scale=0.125, window=window)
+            rows = decode.attend_rows(view, queries, scale=0.125, window=window)
             if window == n - B + 2:
                 assert rows is None
                 continue
             assert rows.shape == (T, n_kv_heads, group, head_dim)
-            for i, view in enumerate(views):
-                assert np.array_equal(rows[i], decode.attend(view, scale=0.125, window=window)), (T, window, i)
+            for i, one in enumerate(views):
+                assert np.array_equal(rows[i], decode.attend(one, scale=0.125, window=window)), (T, window, i)
         layer.trim(T)
+        alone.trim(T)
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])

@@ -28,7 +28,7 @@ share the pool's layouts and differ only in rows, tail, sinks, positions and que
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -354,41 +354,39 @@ class DecodeKernel:
             view.tail_k, view.tail_v, view.n_recent, first_visible, view.mass, out)
         return out
 
-    def attend_rows(self, views: list[DecodeView], *, scale: float, window: int | None) -> np.ndarray | None:
+    def attend_rows(self, view: DecodeView, queries: np.ndarray, *, scale: float,
+                    window: int | None) -> np.ndarray | None:
         """(T, Hkv, G, Dv) float32: `attend` of each of T consecutive tokens of one sequence (a
-        verified draft: views over one block table, view i's tail its first n_recent + i rows; no
-        mass tracked), each bit for bit, from one pool job whose rows are the KV heads
+        verified draft, `PagedLayerCache.stage_rows`: `view` the first token's step, token i's
+        the same at position + i with n_recent + i; queries (T, Hkv, G, D); no mass tracked),
+        each bit for bit, from one pool job whose rows are the KV heads
         (`kv_codes.decode_rows_attention`: each block read once for up to ROWS_GROUP_Q of the
         rows' queries). None when the rows' windows start in different blocks."""
-        T = len(views)
-        first = views[0]
-        Hkv, G, D = first.query.shape
+        T, Hkv, G, D = queries.shape
         Dv, B = self.value_dim, self.block_size
         if window is None:
             visible0 = kv_codes.NO_WINDOW
         else:
-            visible0 = first.position - window + 1 - first.first_position
+            visible0 = view.position - window + 1 - view.first_position
             if max(0, visible0) // B != max(0, visible0 + T - 1) // B:
                 return None
         shared = self._rows_fields.get(scale)
         if shared is None:  # the fields every head's row shares; the scale read by address, kept
             box = np.array([scale], np.float32)
             shared = self._rows_fields[scale] = (box, np.array(
-                (Hkv, G, D, Dv, first.sink_k.shape[1], first.tail_k.shape[1], B, box.ctypes.data,
+                (Hkv, G, D, Dv, view.sink_k.shape[1], view.tail_k.shape[1], B, box.ctypes.data,
                  *self.k_layout, *self.v_layout), np.int64))
         table = np.empty((Hkv, kv_codes.ROWS_FIELDS), np.int64)  # new each call: late workers read it
         table[:, kv_codes.DF_HKV : kv_codes.DECODE_FIELDS] = shared[1]
-        kv_codes.fill_rows_table(table, first.k_rows, first.v_rows, first.sink_k, first.sink_v, first.first_position,
-                                 first.n_sink_old, first.tail_k, first.tail_v, first.n_recent, visible0, T)
-        n_out, n_q = T * G * Dv, T * Hkv * G * D  # a head's outputs of every row: one column
+        kv_codes.fill_rows_table(table, view.k_rows, view.v_rows, view.sink_k, view.sink_v, view.first_position,
+                                 view.n_sink_old, view.tail_k, view.tail_v, view.n_recent, visible0, T)
+        n_out, n_q = T * G * Dv, queries.size  # a head's outputs of every row: one column
         x = np.empty(n_out * -(-n_q // n_out), np.float32)  # the queries, as the pool's (n_out, K) x
-        q = x[:n_q].reshape(T, Hkv, G, D)
-        for i, view in enumerate(views):
-            q[i] = view.query
+        x[:n_q] = queries.reshape(-1)
         out = np.empty((n_out, Hkv), np.float32)
-        work = (len(first.k_rows) * B + first.n_recent) * (D + Dv) * 2  # a head's keys and values as float16
+        work = (len(view.k_rows) * B + view.n_recent) * (D + Dv) * 2  # a head's keys and values as float16
         work_pool.run_rows(kv_codes.rows_heads_address(), work_pool.readonly(table.view(np.uint8)),
-                           x.reshape(n_out, -1), out, 1, work, (views, self.pool))
+                           x.reshape(n_out, -1), out, 1, work, (view, self.pool))
         return out.reshape(T, G, Dv, Hkv).transpose(0, 3, 1, 2)
 
     def attend_many(self, views: list[DecodeView], *, scale: float, window: int | None,
@@ -508,24 +506,23 @@ class PagedAttention:
     def attend_rows(self, layer, q, k, v, *, scale: float, window: int | None) -> np.ndarray | None:
         """T new tokens of one sequence (`layer` a PagedLayerCache), each attended exactly as its
         own decode step would be (a verified draft, `kv.batch.VerifyBatch`), from one compiled
-        call: the rows are stored one after the other first, then row i's view reads the tail's
-        first n_tail + i + 1 columns (the views share the tail; later rows only write past what
-        an earlier view reads) and `DecodeKernel.attend_many` computes each view as its own
-        `attend`. (T, H, Dv), or None with nothing stored when one call cannot stand for the
-        steps: no decode kernel or its kernels compiling, attention mass tracked, a block
-        filling among the rows (the tail is then reused for the next block) or a sink position
-        among them (the sinks are written as the rows are stored)."""
+        call: the rows are stored together first (`PagedLayerCache.stage_rows`), then row i's
+        step reads the tail's first n_tail + i + 1 columns (later rows only write past what an
+        earlier one reads) and `DecodeKernel.attend_rows` computes each as its own `attend`
+        (`attend_many` of the rows' views where their windows start in different blocks).
+        (T, H, Dv), or None with nothing stored when one call cannot stand for the steps: no
+        decode kernel or its kernels compiling, attention mass tracked, a block filling among
+        the rows (the tail is then reused for the next block) or a sink position among them
+        (stage_token writes those)."""
         T, H, _ = q.shape
         if (self.decode is None or T < 2 or layer.track_attention or layer.n_tail + T >= layer.B
                 or layer.offset < layer.n_sinks or self._compiling(DECODE_KERNELS)):
             return None
-        views = []
-        for i in range(T):
-            view = layer.stage_token(q[i : i + 1], k[i : i + 1], v[i : i + 1])
-            layer.commit_token(view)
-            views.append(view)
-        out = self.decode.attend_rows(views, scale=scale, window=window)
+        view, queries = layer.stage_rows(q, k, v)
+        out = self.decode.attend_rows(view, queries, scale=scale, window=window)
         if out is None:
+            views = [replace(view, query=queries[i], position=view.position + i, n_recent=view.n_recent + i)
+                     for i in range(T)]
             out = self.decode.attend_many(views, scale=scale, window=window)
         return out.reshape(T, H, -1)
 

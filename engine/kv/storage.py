@@ -212,6 +212,27 @@ class PagedLayerCache(LayerKVCache):
         return DecodeView(query, start, k_rows, v_rows, old_first, n_sink_old, self.sink_k, self.sink_v,
                           self.tail_k, self.tail_v, n + 1, mass, filled)
 
+    def stage_rows(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[DecodeView, np.ndarray]:
+        """Store T new tokens (q (T, H, D), k (T, Hkv, D), v (T, Hkv, Dv)) as T `stage_token` +
+        `commit_token` would, when they fill no block, are past the sinks and no attention mass
+        is kept (the caller checks: a verified draft, `PagedAttention.attend_rows`). Returns the
+        first token's decode view and every token's query (T, Hkv, G, D); token i's step is
+        that view at position + i with n_recent + i."""
+        T, H, D = q.shape
+        Hkv = self.pool.n_kv_heads
+        if self.rotation is not None:  # row by row: the products of stage_token's shapes
+            q, k = (np.concatenate(parts) for parts in zip(*(self._rotated(q[i : i + 1], k[i : i + 1])
+                                                              for i in range(T))))
+        start, n = self.offset, self.n_tail
+        self.tail_k[:, n : n + T] = k.transpose(1, 0, 2).astype(np.float16)
+        self.tail_v[:, n : n + T] = v.transpose(1, 0, 2).astype(np.float16)
+        n_sink_old = int(min(max(self.n_sinks - self.first_position, 0), len(self.block_table) * self.B))
+        k_rows, v_rows = self.row_addresses()
+        queries = np.ascontiguousarray(q.reshape(T, Hkv, H // Hkv, D), dtype=np.float32)
+        self.offset, self.n_tail = start + T, n + T
+        return DecodeView(queries[0], start, k_rows, v_rows, self.first_position, n_sink_old, self.sink_k,
+                          self.sink_v, self.tail_k, self.tail_v, n + 1, NO_MASS), queries
+
     def commit_token(self, view: DecodeView) -> None:
         """The decode step of `view` is done: the token counts as stored."""
         self.offset = view.position + 1
