@@ -48,3 +48,13 @@ def test_bench_weights_default_mode_runs_both_backends(smollm2_path):
         figures = [float(c) for c in rows[("smollm2-135m-instruct", backend)]]
         assert len(figures) == 5 and all(f > 0 for f in figures), (backend, out)
     assert ("smollm2-135m-instruct", "quant/dense:") in rows, out
+
+
+def test_bench_long_decode_prints_a_row_per_spec_and_context():
+    out = bench("bench_long_decode.py", "--kv", "k4v4", "--contexts", "16", "80", "--steps", "3")
+    rows = [line.strip("|").split("|") for line in out.splitlines()[2:] if line.startswith("|")]
+    assert [(r[0].strip(), int(r[1])) for r in rows] == [("k4v4", 16), ("k4v4", 80)], out
+    for cells in rows:
+        step, alone = float(cells[2]), [float(x) for x in cells[5].split("/")]
+        assert math.isfinite(step) and step > 0 and all(a > 0 for a in alone), cells
+    assert rows[0][3].strip() == "1.00x"
