@@ -229,10 +229,6 @@ class ChatController(QObject):
         self.flush()
         self.turn = None
         self._flush_timer.stop()
-        # the KV in use after every answer is on the chart, even an answer shorter than the
-        # chart's sampling interval (16 tokens of SmolLM2 take ~0.15 s)
-        if self.w.chart.is_sampling():
-            self.w.chart.sample_now()
         return turn
 
     # -- results --------------------------------------------------------------------------

@@ -23,7 +23,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .chart import MemoryChart
 from .documents_panel import DocumentsPanel
 from .kv_panel import KVPanel
 from .markdown import TranscriptView
@@ -119,7 +118,6 @@ class WindowSurface(Protocol):
     kv_panel: KVPanel
     kv_remote_note: QLabel
     documents: DocumentsPanel
-    chart: MemoryChart  # the chat samples it as each answer ends
     # signals for whoever drives the window (the smoke test)
     modelLoaded: SignalInstance
     answerFinished: SignalInstance
