@@ -27,8 +27,8 @@ from dataclasses import replace
 import numpy as np
 
 from .errors import SettingsError
-from .kv.batch import VerifyBatch
 from .kernels.norms import running_sum
+from .kv.batch import VerifyBatch
 from .kv.config import KVConfig
 from .sampling import Sampler
 
@@ -311,7 +311,7 @@ def accept_draft(sampler: Sampler, rows: np.ndarray, draft: Sequence[int], histo
         if sampler.rng.random() < p_d:
             yield d, logits
             continue
-        residual = probs.copy()
+        residual = probs  # `distribution` made it for this draw: zeroed and summed in place
         if where.size:
             residual[where[0]] = 0.0
         total = residual.sum()
