@@ -5,9 +5,10 @@
 
 For each KV spec and context length: a sequence is prefilled with that many tokens (random ids),
 then `--steps` single-token decode steps are timed (median), as `Session` runs them (one sequence,
-every layer). Beside it, layer 0's attention alone, timed on its own in a loop (`DecodeKernel.attend`
-as the step calls it, and `kv_codes.decode_attention` on one thread): there the layer's K/V stay in
-cache, while in the step every layer's blocks stream from memory after the weights. The columns:
+every layer). Beside it, layer 0's attention alone, timed on its own in a loop
+(`DecodeKernel.attend` as the step calls it, and with its `threads` set to 1: one compiled call):
+there the layer's K/V stay in cache, while in the step every layer's blocks stream from memory
+after the weights. The columns:
 
     step ms       the decode step's median
     vs shortest   step / the step at the shortest context of the run (the same process)
@@ -31,7 +32,6 @@ os.environ.setdefault("OMLX_KERNEL_WARMUP", "wait")  # measure the compiled path
 
 from engine.catalog import resolve_model  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.kernels import kv_codes  # noqa: E402
 from engine.kv import paged_attention  # noqa: E402
 
 
@@ -64,16 +64,13 @@ def layer0_attention(engine: Engine, seq, token: int) -> tuple[float, float]:
     if not captured:  # this model's decode steps take another path
         return float("nan"), float("nan")
     kernel, view, scale, window = captured[0]
-    hkv, g, _ = view.query.shape
-    out = np.empty((hkv, g, kernel.value_dim), np.float32)
-
-    def one_thread():
-        kv_codes.decode_attention(view.k_rows, view.v_rows, kernel.k_layout, kernel.v_layout, kernel.block_size,
-                                  view.query, np.float32(scale), view.sink_k, view.sink_v, view.first_position,
-                                  view.n_sink_old, view.tail_k, view.tail_v, view.n_recent, 0, view.mass, out)
-
     threads = median_seconds(lambda: original(kernel, view, scale=scale, window=window), 100)
-    return threads, median_seconds(one_thread, 100)
+    shared, kernel.threads = kernel.threads, 1  # `attend` then makes its one compiled call
+    try:
+        one_thread = median_seconds(lambda: original(kernel, view, scale=scale, window=window), 100)
+    finally:
+        kernel.threads = shared
+    return threads, one_thread
 
 
 def measure(engine: Engine, context: int, steps: int) -> dict:
