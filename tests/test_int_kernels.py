@@ -71,6 +71,21 @@ def test_fast_kernels_equal_their_emulation_at_int8_accuracy(qtype, isa):
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_amx_tiles_equal_the_integer_emulation(qtype, fast):
+    """16 rows of x at a time by AMX tiles (the rest by VNNI): 16, 17 and 33 rows, K with an odd
+    number of 32-value blocks (the tiles take blocks in pairs), bit-equal to the emulation."""
+    if "avx512amx" not in INT_ISAS:
+        pytest.skip("no AMX-INT8 tiles granted to this process")
+    K = 256 * 3 if int_matvec.INT_TYPES[qtype].values == 256 else 32 * 25
+    raw = blocks(qtype, 32, K, seed=5)
+    for T in (16, 17, 33):
+        x = activations(T, K, seed=T)
+        y = run(qtype, raw, x, "avx512amx", fast)
+        assert np.array_equal(bits(y), bits(int_reference.matvec(raw, qtype, x, fast=fast))), T
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 @pytest.mark.parametrize("isa", INT_ISAS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_row_in_a_batch_equals_the_row_alone(qtype, isa, fast):
@@ -214,7 +229,8 @@ def test_assembly_uses_the_integer_instructions(isa):
     asm = "\n".join(fn.inspect_asm(sig) for sig in fn.signatures)
     # (on a CPU with VNNI, LLVM fuses the AVX2 path's vpmaddwd + vpaddd into one vpdpwssd ymm)
     avx2 = r"vpmaddwd" if not int_dot.isa_available("avxvnni") else r"vpmaddwd|vpdpwssd\s+[^\n]*ymm"
-    want = {"avx512vnni": r"vpdpbusd\s+[^\n]*zmm", "avxvnni": r"vpdpbusd\s+[^\n]*ymm", "avx2": avx2}[isa]
+    want = {"avx512vnni": r"vpdpbusd\s+[^\n]*zmm", "avxvnni": r"vpdpbusd\s+[^\n]*ymm", "avx2": avx2,
+            "avx512amx": r"tdpbsud\s+[^\n]*tmm"}[isa]
     assert re.search(want, asm)
 
 

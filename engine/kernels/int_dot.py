@@ -3,7 +3,9 @@
 `engine.kernels.int_matvec` multiplies quantized weights with activations quantized to 16 bits
 per 32-value block (see docs/kernels.md); this module holds what those kernels share:
 
-* the instruction set they compile for, chosen once per process (`kernel_isa`): "avx512vnni"
+* the instruction set they compile for, chosen once per process (`kernel_isa`): "avx512amx"
+  (the AVX-512 VNNI kernels, and AMX-INT8 tiles for 16 rows of x at a time: prefill, large
+  batches; `engine.kernels.amx`), "avx512vnni"
   (512-bit `vpdpbusd` over the codes' hi/lo bytes, `EXACT_FORM`), "avxvnni" (256-bit, VEX-encoded
   on CPUs without AVX-512),
   "avx2" (`vpmaddwd` + `vpaddd`, the same products without VNNI), or "float" (no integer kernels:
@@ -42,21 +44,21 @@ log = logging.getLogger("omlx.kernels")
 
 ISA_ENV = "OMLX_KERNELS"
 # In order of preference; "float" runs on every CPU.
-ISAS = ("avx512vnni", "avxvnni", "avx2", "float")
+ISAS = ("avx512amx", "avx512vnni", "avxvnni", "avx2", "float")
 # i32 lanes of the vectors each instruction set's kernels work in
-ISA_LANES = {"avx512vnni": 16, "avxvnni": 8, "avx2": 8}
+ISA_LANES = {"avx512amx": 16, "avx512vnni": 16, "avxvnni": 8, "avx2": 8}
 # Rows of x above which a product is faster as dequantized float32 tiles and BLAS sgemm than by
 # the integer kernels (None: never). Without VNNI the 16-bit product is two instructions
 # (vpmaddwd, vpaddd) for 16 multiply-adds per 256 bits, no more than two FMAs, and sgemm reuses
 # each tile over the rows far better: on a Zen 3 EPYC (AVX2 only), a 2048 x 2048 matrix at 256
 # rows takes 29 ms (Q4_1) / 61 ms (Q4_K) by the integer kernels against 20 / 20 ms by the tiles,
 # while at 1-16 rows the integer kernels are 1.1-3x faster (docs/performance.md, 2026-12-03).
-INT_MAX_ROWS = {"avx512vnni": None, "avxvnni": None, "avx2": 32}
+INT_MAX_ROWS = {"avx512amx": None, "avx512vnni": None, "avxvnni": None, "avx2": 32}
 # Whether the fast mode's int8 product is faster than the exact 16-bit one: with VNNI `vpdpbusd`
 # does twice `vpdpwssd`'s multiply-adds; on AVX2 both take two multiply instructions per 32
 # (vpmaddubsw + vpmaddwd against two vpmaddwd), and the fast mode measured no faster
 # (docs/performance.md, 2026-12-03)
-FAST_GAINS = {"avx512vnni": True, "avxvnni": True, "avx2": False}
+FAST_GAINS = {"avx512amx": True, "avx512vnni": True, "avxvnni": True, "avx2": False}
 
 # The layout of the exact (16-bit) activations each instruction set's kernels read: with VNNI
 # the codes as hi and lo bytes for two `vpdpbusd` ("split", `quantize_activations_split`), whose
@@ -65,7 +67,7 @@ FAST_GAINS = {"avx512vnni": True, "avxvnni": True, "avx2": False}
 # pairs -> 80 / 186 / 688 split, Q4_0 77 / 222 / 887 -> 63 / 146 / 562, Q6_K 163 / 317 / 1095 ->
 # 141 / 272 / 914 (docs/kernels.md). AVX2 has no u8 x s8 product that keeps the sums exact, so
 # its kernels take the i16 pairs ("pairs", `quantize_activations`) to `vpmaddwd`.
-EXACT_FORM = {"avx512vnni": "split", "avxvnni": "split", "avx2": "pairs"}
+EXACT_FORM = {"avx512amx": "split", "avx512vnni": "split", "avxvnni": "split", "avx2": "pairs"}
 ACTIVATION_FORMS = ("pairs", "split", "fast")
 
 
@@ -110,6 +112,10 @@ def isa_available(isa: str) -> bool:
         return False
     if isa == "avx512vnni":
         return _target_has("avx512vnni") and _target_has("avx512bw") and _target_has("avx512f")
+    if isa == "avx512amx":  # the VNNI kernels, and tiles the OS grants this process
+        from . import amx
+
+        return isa_available("avx512vnni") and amx.available()
     if isa == "avxvnni":  # the 256-bit form: AVX-VNNI, or AVX-512 VNNI with 256-bit vectors
         return _target_has("avxvnni") or (_target_has("avx512vnni") and _target_has("avx512vl"))
     if isa == "avx2":
@@ -152,6 +158,8 @@ def describe(isa: str, fast: bool = False) -> str:
     if fast and not FAST_GAINS.get(isa, True):
         acts += "; no faster than exact without VNNI"
     return {
+        "avx512amx": f"integer (AMX-INT8 tiles for 16 rows at a time, else AVX-512 VNNI vpdpbusd, {acts}"
+                     f"{'' if fast else ' as hi/lo bytes'})",
         "avx512vnni": f"integer (AVX-512 VNNI vpdpbusd, {acts}{'' if fast else ' as hi/lo bytes'})",
         "avxvnni": f"integer (AVX-VNNI 256-bit vpdpbusd, {acts}{'' if fast else ' as hi/lo bytes'})",
         "avx2": f"integer (AVX2 {'vpmaddubsw' if fast else 'vpmaddwd'}, {acts})",

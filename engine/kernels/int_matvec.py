@@ -46,6 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import int_dot
+from .amx import AmxIR
 from .int_dot import IntIR
 from .pool import BUF_VALUES, CHUNK_BYTES, COMPUTE_SIG, MAX_CHUNKS, call_compute, readonly, run_rows
 from .vector_ir import (F16, F32, I8, I32, I64, VectorIR, data_pointer, f32_pointer, i64_pointer, u8_pointer,
@@ -663,7 +664,7 @@ def _fast_k_code_vectors(v, t: IntType, gb, lanes, half, sub):
     return out
 
 
-def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
+def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: bool = False):
     """Fast mode (`int_dot.quantize_activations_fast`: int8 activations per 32 values), the
     intrinsic signature of `make_group_dot`. Per activation block a and weight row, I the exact
     int32 sum of unsigned codes times int8 codes (`vpdpbusd`; AVX2 `vpmaddubsw` + `vpmaddwd`):
@@ -723,6 +724,23 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
 
             sub_scales = cgutils.alloca_once(builder, vf, size=16)  # per-sub-block scales (k-quants)
             sub_minima = cgutils.alloca_once(builder, vf, size=8)
+            per16 = t.kind in ("q6_k", "q3_k")  # sums per 16 values (two scales per block)
+            if amx:
+                ax = AmxIR(builder)
+                ax.configure({0: (GROUP, 64), 1: (GROUP, 64), 2: (GROUP, 64), 3: (GROUP, 64),
+                              4: (GROUP, 32), 5: (GROUP, 32), 6: (8, 64), 7: (8, 64)})
+                # B: 1024 bytes, two tiles of 8 rows (one per activation word); per16, the first
+                # holds words 0..3 and zero rows, the second zero rows and words 4..7 (both halves'
+                # sums from one A tile), else the u8 codes, then (Q8_0, split) the s8 codes
+                b_buf = cgutils.alloca_once(builder, ir.ArrayType(I8, 1024))
+                c_buf = cgutils.alloca_once(builder, ir.ArrayType(I8, 4096))  # sum tiles 0..3, 1024 bytes each
+                b_buf.align = c_buf.align = 64
+                b_ptr, c_ptr = builder.bitcast(b_buf, I8.as_pointer()), builder.bitcast(c_buf, I8.as_pointer())
+                if per16:
+                    zero_b = ir.Constant(vi, [0] * lanes)
+                    for at in range(256, 768, 64):
+                        v.store(zero_b, b_ptr, at, align=64)
+                x_stride = builder.mul(words, c64(4))  # bytes from one row of x to the next
 
             def part(index):  # byte offset of word `index` (i64) of an x row
                 return builder.mul(index, c64(4))
@@ -757,8 +775,50 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
             def add_block(h, i, blk):
                 builder.store(builder.fadd(builder.load(faccs[h][i]), blk), faccs[h][i])
 
-            with cgutils.for_range(builder, nb) as loop:
-                bi = loop.index
+            def sum_tile(e, lo):  # the tile of part e (parity or 16-value half) and hi / lo (or fast)
+                return 2 * e + lo if split else e
+
+            def tile_sums(codes, xc0, parity):
+                """AMX: the block's sums for the 16 rows of x into c_buf (tile c at byte 1024 c, row
+                i at 64 i), `sum_tile(e, lo)`, e the 16-value half (per16) or the block's parity
+                (consecutive blocks alternate tiles, so that one block's dot products need not wait
+                for the previous block's sums to be stored). xc0: row 0's activation bytes of the
+                block (split: 32 hi then 32 lo bytes; fast: 32 codes)."""
+                for w_u8, *rest in codes:
+                    word = rest[-1]
+                    v.store(w_u8, b_ptr, 64 * word + (512 if per16 and word >= 4 else 0), align=64)
+                    if split and t.kind == "bytes":  # lo takes Q8_0's codes as they are (s8)
+                        v.store(rest[0], b_ptr, 512 + 64 * word, align=64)
+                parts = (0, 1) if per16 else (parity,)
+                ax.load(4, xc0, x_stride)
+                ax.load(6, b_ptr, 64)
+                if per16:
+                    ax.load(7, v.gep(b_ptr, 512), 64)
+                if split:
+                    ax.load(5, v.gep(xc0, 32), x_stride)
+                    if t.kind == "bytes":
+                        ax.load(7, v.gep(b_ptr, 512), 64)
+                for e in parts:
+                    codes_tile = 6 + e if per16 else 6
+                    ax.zero(sum_tile(e, 0))
+                    ax.dot(sum_tile(e, 0), 4, codes_tile, a_signed=True, b_signed=False)  # (hi or fast) x u8
+                    if split:
+                        ax.zero(sum_tile(e, 1))
+                        if t.kind == "bytes":
+                            ax.dot(sum_tile(e, 1), 5, 7, a_signed=False, b_signed=True)
+                        else:  # codes 0..63: the same bytes as u8 or s8
+                            ax.dot(sum_tile(e, 1), 5, codes_tile, a_signed=False, b_signed=False)
+                for e in parts:
+                    for lo in ((0, 1) if split else (0,)):
+                        ax.store(sum_tile(e, lo), v.gep(c_ptr, 1024 * sum_tile(e, lo)), 64)
+
+            def amx_sums(i, e):
+                if not split:
+                    return v.load(c_ptr, 1024 * sum_tile(e, 0) + 64 * i, vi, align=64)
+                return (v.load(c_ptr, 1024 * sum_tile(e, 0) + 64 * i, vi, align=64),
+                        v.load(c_ptr, 1024 * sum_tile(e, 1) + 64 * i, vi, align=64))
+
+            def block(bi, parity):  # weight block bi (parity: AMX's alternate sum tiles)
                 gb = v.gep(group_base, builder.mul(bi, c64(t.group_block)))
                 _prefetch(builder, gb, t.group_block)
                 for h in range(halves):
@@ -786,7 +846,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
                             scale = builder.sub(_q3_k_scale(v, col, is_), ir.Constant(vi, [32] * lanes))
                             builder.store(builder.fmul(d, builder.sitofp(scale, vf)), builder.gep(sub_scales, [c64(is_)]))
 
-                    def sub_block(sub, fixed, h=h, d=d, m=m):  # activation block `sub` (i64; `fixed` its
+                    def sub_block(sub, fixed, parity=0, h=h, d=d, m=m):  # activation block `sub` (i64; `fixed` its
                         # value when known at compile time) of the weight block
                         a = builder.add(builder.mul(bi, c64(subs)), sub)
                         code_off = builder.mul(a, c64(4 * block_words))
@@ -800,6 +860,14 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
                         elif t.kind == "bytes":
                             codes = [(v.b.xor(w, ir.Constant(vi, [0x80808080 - 2**32] * lanes)), word)
                                      for w, word in codes]  # codes + 128, unsigned
+                        if amx:
+                            tile_sums(codes, v.gep(x_rows[0], code_off), parity)
+
+                        def sums(i, part=None):  # x row i's dot_sum over the block (part: its 16-value half)
+                            if amx:
+                                return amx_sums(i, parity if part is None else part)
+                            xc = v.gep(x_rows[i], code_off)
+                            return dot_sum(xc, codes if part is None else codes[4 * part : 4 * part + 4])
                         if t.kind in ("q4_k", "q5_k"):
                             dsc = builder.load(builder.gep(sub_scales, [sub]))
                             dmn = builder.load(builder.gep(sub_minima, [sub]))
@@ -819,7 +887,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
                             if t.kind in ("q6_k", "q3_k"):
                                 code_offset = 32 if t.kind == "q6_k" else 4
                                 for e in (0, 1):
-                                    total = join(dot_sum(xc, codes[4 * e : 4 * e + 4]))
+                                    total = join(sums(i, e))
                                     q16 = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(3))),
                                                                         builder.add(builder.mul(a, c64(2)), c64(e))), I32)
                                     total = builder.sub(total, builder.mul(q16, ir.Constant(vi, [code_offset] * lanes)))
@@ -832,13 +900,13 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
                                 hi = dot_sum(xc, [(v.and_(v.shr(w, 4), 0x0F0F0F0F), word) for w, word in codes])
                                 total = builder.add(lo, v.shl(hi, 4))
                             elif split and t.kind == "bytes":
-                                hi, lo = dot_sum(xc, codes)
+                                hi, lo = sums(i)
                                 hi_sum = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(5))), a),
                                                 I32)
                                 hi = builder.sub(hi, builder.mul(hi_sum, ir.Constant(vi, [128] * lanes)))
                                 total = builder.add(v.shl(hi, 8), lo)
                             else:
-                                total = join(dot_sum(xc, codes))
+                                total = join(sums(i))
                             off = t.offset + (128 if t.kind == "bytes" and not split else 0)
                             if t.kind in ("nibbles", "bytes", "q5") and off:
                                 q_sum = x_word(x_rows[i], builder.add(builder.add(c_words, na), a), I32)
@@ -857,10 +925,26 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
 
                     if subs == 1 or not loop_subs:
                         for sub in range(subs):
-                            sub_block(c64(sub), sub)
+                            sub_block(c64(sub), sub, parity)
+                    elif amx:  # sub-blocks in pairs, alternating sum tiles
+                        with cgutils.for_range(builder, c64(subs // 2)) as sub_loop:
+                            for odd in (0, 1):
+                                sub_block(builder.add(builder.mul(sub_loop.index, c64(2)), c64(odd)), None, odd)
                     else:
                         with cgutils.for_range(builder, c64(subs)) as sub_loop:
                             sub_block(sub_loop.index, None)
+
+            if amx and subs == 1:  # blocks in pairs, alternating sum tiles (and an odd one last)
+                with cgutils.for_range(builder, builder.sdiv(nb, c64(2))) as loop:
+                    for odd in (0, 1):
+                        block(builder.add(builder.mul(loop.index, c64(2)), c64(odd)), odd)
+                with builder.if_then(builder.icmp_signed("!=", builder.srem(nb, c64(2)), c64(0))):
+                    block(builder.sub(nb, c64(1)), 0)
+            else:
+                with cgutils.for_range(builder, nb) as loop:
+                    block(loop.index, 0)
+            if amx:
+                ax.release()
             col0 = builder.sub(builder.mul(gi, c64(GROUP)), yoffi)
             for i in range(n):
                 yrow = v.gep(yp, builder.mul(builder.add(t0i, c64(i)), builder.mul(ycols, c64(4))))
@@ -875,9 +959,10 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False):
 
 def make_group_dot_exact(t: IntType, isa: str, n: int):
     """The exact intrinsic for the activations `int_dot.EXACT_FORM` gives `isa`: hi/lo bytes
-    (`make_group_dot_fast(split=True)`) or i16 pairs (`make_group_dot`, `make_group_dot_k`)."""
+    (`make_group_dot_fast(split=True)`, by AMX tiles for AMX_ROWS rows) or i16 pairs
+    (`make_group_dot`, `make_group_dot_k`)."""
     if int_dot.EXACT_FORM[isa] == "split":
-        return make_group_dot_fast(t, isa, n, split=True)
+        return make_group_dot_fast(t, isa, n, split=True, amx=n == AMX_ROWS)
     return (make_group_dot_k if t.values == 256 else make_group_dot)(t, isa, n)
 
 
@@ -886,7 +971,10 @@ def make_group_dot_exact(t: IntType, isa: str, n: int):
 # fit); measured one thread, 64 rows of a 2048 x 2048 matrix against tiles of 4, a test run beside
 # it: fast mode Q4_0 1.23x, Q4_K 1.05x, Q6_K 1.21x; exact 1.03x / 1.08x / 1.16x. The 256-bit
 # sets (16 registers on CPUs without AVX-512, and two halves per group) stay at 4.
-X_TILES = {"avx512vnni": (8, 4, 2, 1), "avxvnni": (4, 2, 1), "avx2": (4, 2, 1)}
+X_TILES = {"avx512amx": (16, 8, 4, 2, 1), "avx512vnni": (8, 4, 2, 1), "avxvnni": (4, 2, 1), "avx2": (4, 2, 1)}
+# AMX: 16 rows of x in one kernel by tiles (`make_group_dot_fast(amx=True)`), fewer by VNNI.
+# Measured in docs/performance.md (2026-12-07).
+AMX_ROWS = 16
 
 # One intrinsic per (type, instruction set, rows of x at once)
 _GDOT = {(tt, isa, n): make_group_dot_exact(INT_TYPES[tt], isa, n)
@@ -904,13 +992,35 @@ _GDOT = {(tt, isa, n): make_group_dot_exact(INT_TYPES[tt], isa, n)
 # ---------------------------------------------------------------------------------------------
 
 # Fast mode (int8 activations)
-_GDOT_FAST = {(tt, isa, n): make_group_dot_fast(INT_TYPES[tt], isa, n)
+_GDOT_FAST = {(tt, isa, n): make_group_dot_fast(INT_TYPES[tt], isa, n, amx=n == AMX_ROWS)
               for tt in INT_TYPES for isa in int_dot.ISA_LANES for n in X_TILES[isa]}
 
 
 # _irows_<type>_<isa> (exact) / _frows_<type>_<isa> (fast): GDOT8, GDOT4, GDOT2 and GDOT1 stand
 # for the module-level names of that kernel's intrinsics (_g_<type>_<isa>_<n> / _f_<type>_<isa>_<n>);
-# _rows_template8 for the instruction sets with tiles of 8 (X_TILES)
+# _rows_template16 / _rows_template8 for the instruction sets with tiles of 16 / 8 (X_TILES)
+def _rows_template16(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0]
+    for g in range(r0 // 16, r1 // 16):
+        t = 0
+        while t < T:
+            if T - t >= 16:
+                GDOT16(raw, xw, y, g, t, yoff)  # noqa: F821
+                t += 16
+            elif T - t >= 8:
+                GDOT8(raw, xw, y, g, t, yoff)  # noqa: F821
+                t += 8
+            elif T - t >= 4:
+                GDOT4(raw, xw, y, g, t, yoff)  # noqa: F821
+                t += 4
+            elif T - t >= 2:
+                GDOT2(raw, xw, y, g, t, yoff)  # noqa: F821
+                t += 2
+            else:
+                GDOT1(raw, xw, y, g, t, yoff)  # noqa: F821
+                t += 1
+
+
 def _rows_template8(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0]
     for g in range(r0 // 16, r1 // 16):
@@ -974,7 +1084,8 @@ def _make_kernels(gdots: dict, g_prefix: str, rows_prefix: str, c_prefix: str):
             tiles = X_TILES[isa]
             for n in tiles:
                 globals()[f"_{g_prefix}_{stem}_{n}"] = gdots[tt, isa, n]
-            loop = _kernel_copy(_rows_template8 if 8 in tiles else _rows_template, f"_{rows_prefix}_{stem}",
+            template = _rows_template16 if 16 in tiles else _rows_template8 if 8 in tiles else _rows_template
+            loop = _kernel_copy(template, f"_{rows_prefix}_{stem}",
                                 {f"GDOT{n}": f"_{g_prefix}_{stem}_{n}" for n in tiles})
             rows[tt, isa] = globals()[loop.__name__] = njit(nogil=True, cache=True)(loop)
             computes[tt, isa] = _kernel_copy(_compute_template, f"_{c_prefix}_{stem}", {"ROWS": loop.__name__})
@@ -1010,6 +1121,8 @@ class IntMatvec:
     def __init__(self, ggml_type, raw: np.ndarray, in_features: int, isa: str, packed: np.ndarray | None = None):
         if not supports(ggml_type, raw.shape[0], in_features) or isa not in int_dot.ISA_LANES:
             raise ValueError(f"no integer kernel for {ggml_type.name} ({raw.shape[0]} x {in_features}) on {isa}")
+        if isa == "avx512amx" and not int_dot.isa_available(isa):  # (a tile instruction without the grant: SIGILL)
+            raise ValueError("AMX tiles are not available to this process")
         self.ggml_type, self.isa = ggml_type, isa
         self.packed = readonly(repack(raw, ggml_type) if packed is None else packed)
         self.n_rows, self.in_features = raw.shape[0], in_features
