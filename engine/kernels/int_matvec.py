@@ -818,7 +818,8 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                 return (v.load(c_ptr, 1024 * sum_tile(e, 0) + 64 * i, vi, align=64),
                         v.load(c_ptr, 1024 * sum_tile(e, 1) + 64 * i, vi, align=64))
 
-            def block(bi, parity):  # weight block bi (parity: AMX's alternate sum tiles)
+            def block(bi, parity, later=None):  # weight block bi (parity: AMX's alternate sum tiles; later:
+                # where its 32-value types' float operations go to be done after the next block's tiles)
                 gb = v.gep(group_base, builder.mul(bi, c64(t.group_block)))
                 _prefetch(builder, gb, t.group_block)
                 for h in range(halves):
@@ -846,7 +847,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                             scale = builder.sub(_q3_k_scale(v, col, is_), ir.Constant(vi, [32] * lanes))
                             builder.store(builder.fmul(d, builder.sitofp(scale, vf)), builder.gep(sub_scales, [c64(is_)]))
 
-                    def sub_block(sub, fixed, parity=0, h=h, d=d, m=m):  # activation block `sub` (i64; `fixed` its
+                    def sub_block(sub, fixed, parity=0, later=None, h=h, d=d, m=m):  # activation block `sub` (i64; `fixed` its
                         # value when known at compile time) of the weight block
                         a = builder.add(builder.mul(bi, c64(subs)), sub)
                         code_off = builder.mul(a, c64(4 * block_words))
@@ -863,81 +864,94 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                         if amx:
                             tile_sums(codes, v.gep(x_rows[0], code_off), parity)
 
-                        def sums(i, part=None):  # x row i's dot_sum over the block (part: its 16-value half)
-                            if amx:
-                                return amx_sums(i, parity if part is None else part)
-                            xc = v.gep(x_rows[i], code_off)
-                            return dot_sum(xc, codes if part is None else codes[4 * part : 4 * part + 4])
-                        if t.kind in ("q4_k", "q5_k"):
-                            dsc = builder.load(builder.gep(sub_scales, [sub]))
-                            dmn = builder.load(builder.gep(sub_minima, [sub]))
-                        if t.kind == "q6_k":  # its 16 scale bytes are fields 1..16, 16 rows' each
-                            half_scales = []
-                            for e in (0, 1):
-                                at = builder.add(builder.mul(builder.add(builder.mul(sub, c64(2)), c64(e)), c64(GROUP)),
-                                                 c64(t.field_at[1] + lanes * h))
-                                byte = builder.sext(v.load(gb, at, vb, align=1), vi)
-                                half_scales.append(builder.fmul(d, builder.sitofp(byte, vf)))
-                        if t.kind == "q3_k":
-                            half_scales = [builder.load(builder.gep(sub_scales, [builder.add(builder.mul(sub, c64(2)),
-                                                                                              c64(e))]))
-                                           for e in (0, 1)]
-                        for i in range(n):
-                            xc = v.gep(x_rows[i], code_off)
-                            if t.kind in ("q6_k", "q3_k"):
-                                code_offset = 32 if t.kind == "q6_k" else 4
-                                for e in (0, 1):
-                                    total = join(sums(i, e))
-                                    q16 = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(3))),
-                                                                        builder.add(builder.mul(a, c64(2)), c64(e))), I32)
-                                    total = builder.sub(total, builder.mul(q16, ir.Constant(vi, [code_offset] * lanes)))
-                                    f = builder.fmul(half_scales[e], x_scale[i])
-                                    add_block(h, i, builder.fmul(builder.sitofp(total, vf), f))
-                                continue
-                            if t.kind == "bytes" and isa == "avx2":
-                                # I = I_lo + 16 I_hi over the two nibbles of each code + 128
-                                lo = dot_sum(xc, [(v.and_(w, 0x0F0F0F0F), word) for w, word in codes])
-                                hi = dot_sum(xc, [(v.and_(v.shr(w, 4), 0x0F0F0F0F), word) for w, word in codes])
-                                total = builder.add(lo, v.shl(hi, 4))
-                            elif split and t.kind == "bytes":
-                                hi, lo = sums(i)
-                                hi_sum = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(5))), a),
-                                                I32)
-                                hi = builder.sub(hi, builder.mul(hi_sum, ir.Constant(vi, [128] * lanes)))
-                                total = builder.add(v.shl(hi, 8), lo)
-                            else:
-                                total = join(sums(i))
-                            off = t.offset + (128 if t.kind == "bytes" and not split else 0)
-                            if t.kind in ("nibbles", "bytes", "q5") and off:
-                                q_sum = x_word(x_rows[i], builder.add(builder.add(c_words, na), a), I32)
-                                total = builder.sub(total, builder.mul(q_sum, ir.Constant(vi, [off] * lanes)))
+                        def finish():  # the block's float operations, x row by x row
+                            def sums(i, part=None):  # x row i's dot_sum over the block (part: its 16-value half)
+                                if amx:
+                                    return amx_sums(i, parity if part is None else part)
+                                xc = v.gep(x_rows[i], code_off)
+                                return dot_sum(xc, codes if part is None else codes[4 * part : 4 * part + 4])
                             if t.kind in ("q4_k", "q5_k"):
-                                blk = builder.fmul(builder.sitofp(total, vf), builder.fmul(dsc, x_scale[i]))
-                                sq = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(2))), a), F32)
-                                blk = builder.fsub(blk, builder.fmul(dmn, sq))
-                            else:
-                                blk = builder.fmul(builder.sitofp(total, vf), builder.fmul(d, x_scale[i]))
-                                if t.has_min:
-                                    sq = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(2))), a),
-                                                F32)
-                                    blk = builder.fadd(blk, builder.fmul(m, sq))
-                            add_block(h, i, blk)
+                                dsc = builder.load(builder.gep(sub_scales, [sub]))
+                                dmn = builder.load(builder.gep(sub_minima, [sub]))
+                            if t.kind == "q6_k":  # its 16 scale bytes are fields 1..16, 16 rows' each
+                                half_scales = []
+                                for e in (0, 1):
+                                    at = builder.add(builder.mul(builder.add(builder.mul(sub, c64(2)), c64(e)), c64(GROUP)),
+                                                     c64(t.field_at[1] + lanes * h))
+                                    byte = builder.sext(v.load(gb, at, vb, align=1), vi)
+                                    half_scales.append(builder.fmul(d, builder.sitofp(byte, vf)))
+                            if t.kind == "q3_k":
+                                half_scales = [builder.load(builder.gep(sub_scales, [builder.add(builder.mul(sub, c64(2)),
+                                                                                                  c64(e))]))
+                                               for e in (0, 1)]
+                            for i in range(n):
+                                xc = v.gep(x_rows[i], code_off)
+                                if t.kind in ("q6_k", "q3_k"):
+                                    code_offset = 32 if t.kind == "q6_k" else 4
+                                    for e in (0, 1):
+                                        total = join(sums(i, e))
+                                        q16 = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(3))),
+                                                                            builder.add(builder.mul(a, c64(2)), c64(e))), I32)
+                                        total = builder.sub(total, builder.mul(q16, ir.Constant(vi, [code_offset] * lanes)))
+                                        f = builder.fmul(half_scales[e], x_scale[i])
+                                        add_block(h, i, builder.fmul(builder.sitofp(total, vf), f))
+                                    continue
+                                if t.kind == "bytes" and isa == "avx2":
+                                    # I = I_lo + 16 I_hi over the two nibbles of each code + 128
+                                    lo = dot_sum(xc, [(v.and_(w, 0x0F0F0F0F), word) for w, word in codes])
+                                    hi = dot_sum(xc, [(v.and_(v.shr(w, 4), 0x0F0F0F0F), word) for w, word in codes])
+                                    total = builder.add(lo, v.shl(hi, 4))
+                                elif split and t.kind == "bytes":
+                                    hi, lo = sums(i)
+                                    hi_sum = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(5))), a),
+                                                    I32)
+                                    hi = builder.sub(hi, builder.mul(hi_sum, ir.Constant(vi, [128] * lanes)))
+                                    total = builder.add(v.shl(hi, 8), lo)
+                                else:
+                                    total = join(sums(i))
+                                off = t.offset + (128 if t.kind == "bytes" and not split else 0)
+                                if t.kind in ("nibbles", "bytes", "q5") and off:
+                                    q_sum = x_word(x_rows[i], builder.add(builder.add(c_words, na), a), I32)
+                                    total = builder.sub(total, builder.mul(q_sum, ir.Constant(vi, [off] * lanes)))
+                                if t.kind in ("q4_k", "q5_k"):
+                                    blk = builder.fmul(builder.sitofp(total, vf), builder.fmul(dsc, x_scale[i]))
+                                    sq = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(2))), a), F32)
+                                    blk = builder.fsub(blk, builder.fmul(dmn, sq))
+                                else:
+                                    blk = builder.fmul(builder.sitofp(total, vf), builder.fmul(d, x_scale[i]))
+                                    if t.has_min:
+                                        sq = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(2))), a),
+                                                    F32)
+                                        blk = builder.fadd(blk, builder.fmul(m, sq))
+                                add_block(h, i, blk)
+
+                        if later is None:
+                            finish()
+                        else:  # (AMX: after the next block's tile operations are issued)
+                            later.append(finish)
+
 
                     if subs == 1 or not loop_subs:
                         for sub in range(subs):
-                            sub_block(c64(sub), sub, parity)
+                            sub_block(c64(sub), sub, parity, later)
                     elif amx:  # sub-blocks in pairs, alternating sum tiles
                         with cgutils.for_range(builder, c64(subs // 2)) as sub_loop:
+                            later = None if per16 else []  # per16 takes all four sum tiles per block
                             for odd in (0, 1):
-                                sub_block(builder.add(builder.mul(sub_loop.index, c64(2)), c64(odd)), None, odd)
+                                sub_block(builder.add(builder.mul(sub_loop.index, c64(2)), c64(odd)), None, odd, later)
+                            for finish in later or ():
+                                finish()
                     else:
                         with cgutils.for_range(builder, c64(subs)) as sub_loop:
                             sub_block(sub_loop.index, None)
 
             if amx and subs == 1:  # blocks in pairs, alternating sum tiles (and an odd one last)
                 with cgutils.for_range(builder, builder.sdiv(nb, c64(2))) as loop:
+                    later = []
                     for odd in (0, 1):
-                        block(builder.add(builder.mul(loop.index, c64(2)), c64(odd)), odd)
+                        block(builder.add(builder.mul(loop.index, c64(2)), c64(odd)), odd, later)
+                    for finish in later:
+                        finish()
                 with builder.if_then(builder.icmp_signed("!=", builder.srem(nb, c64(2)), c64(0))):
                     block(builder.sub(nb, c64(1)), 0)
             else:
