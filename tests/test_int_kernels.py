@@ -230,7 +230,7 @@ def test_assembly_uses_the_integer_instructions(isa):
     # (on a CPU with VNNI, LLVM fuses the AVX2 path's vpmaddwd + vpaddd into one vpdpwssd ymm)
     avx2 = r"vpmaddwd" if not int_dot.isa_available("avxvnni") else r"vpmaddwd|vpdpwssd\s+[^\n]*ymm"
     want = {"avx512vnni": r"vpdpbusd\s+[^\n]*zmm", "avxvnni": r"vpdpbusd\s+[^\n]*ymm", "avx2": avx2,
-            "avx512amx": r"tdpbsud\s+[^\n]*tmm"}[isa]
+            "avx512amx": r"tdpb[su][su]d\s+[^\n]*tmm"}[isa]
     assert re.search(want, asm)
 
 

@@ -725,6 +725,11 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
             sub_scales = cgutils.alloca_once(builder, vf, size=16)  # per-sub-block scales (k-quants)
             sub_minima = cgutils.alloca_once(builder, vf, size=8)
             per16 = t.kind in ("q6_k", "q3_k")  # sums per 16 values (two scales per block)
+            # AMX takes codes with an offset (Q4_0 8, Q5_0 16, Q6_K 32, Q3_K 4) as c - offset and
+            # Q8_0's as they are, signed bytes: the sums come out with the offset term taken off
+            # (the same integers), and the float work after them loses its correction
+            amx_offset = {"q6_k": 32, "q3_k": 4}.get(t.kind, t.offset if t.kind in ("nibbles", "q5") else 0) if amx else 0
+            signed_codes = amx and (amx_offset > 0 or t.kind == "bytes")
             if amx:
                 ax = AmxIR(builder)
                 ax.configure({0: (GROUP, 64), 1: (GROUP, 64), 2: (GROUP, 64), 3: (GROUP, 64),
@@ -786,9 +791,15 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                 block (split: 32 hi then 32 lo bytes; fast: 32 codes)."""
                 for w_u8, *rest in codes:
                     word = rest[-1]
-                    v.store(w_u8, b_ptr, 64 * word + (512 if per16 and word >= 4 else 0), align=64)
-                    if split and t.kind == "bytes":  # lo takes Q8_0's codes as they are (s8)
-                        v.store(rest[0], b_ptr, 512 + 64 * word, align=64)
+                    if t.kind == "bytes":  # Q8_0's codes as they are (the u8 form is c + 128)
+                        w = rest[0] if split else v.b.xor(w_u8, ir.Constant(vi, [0x80808080 - 2**32] * lanes))
+                    elif amx_offset:  # c - offset, byte by byte (signed)
+                        vb64 = vector_type(I8, 4 * lanes)
+                        w = v.b.bitcast(v.b.sub(v.b.bitcast(w_u8, vb64), ir.Constant(vb64, [amx_offset] * 4 * lanes)),
+                                        vi)
+                    else:
+                        w = w_u8
+                    v.store(w, b_ptr, 64 * word + (512 if per16 and word >= 4 else 0), align=64)
                 parts = (0, 1) if per16 else (parity,)
                 ax.load(4, xc0, x_stride)
                 ax.load(6, b_ptr, 64)
@@ -796,18 +807,13 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                     ax.load(7, v.gep(b_ptr, 512), 64)
                 if split:
                     ax.load(5, v.gep(xc0, 32), x_stride)
-                    if t.kind == "bytes":
-                        ax.load(7, v.gep(b_ptr, 512), 64)
                 for e in parts:
                     codes_tile = 6 + e if per16 else 6
                     ax.zero(sum_tile(e, 0))
-                    ax.dot(sum_tile(e, 0), 4, codes_tile, a_signed=True, b_signed=False)  # (hi or fast) x u8
+                    ax.dot(sum_tile(e, 0), 4, codes_tile, a_signed=True, b_signed=signed_codes)  # hi or fast
                     if split:
                         ax.zero(sum_tile(e, 1))
-                        if t.kind == "bytes":
-                            ax.dot(sum_tile(e, 1), 5, 7, a_signed=False, b_signed=True)
-                        else:  # codes 0..63: the same bytes as u8 or s8
-                            ax.dot(sum_tile(e, 1), 5, codes_tile, a_signed=False, b_signed=False)
+                        ax.dot(sum_tile(e, 1), 5, codes_tile, a_signed=False, b_signed=signed_codes)  # lo
                 for e in parts:
                     for lo in ((0, 1) if split else (0,)):
                         ax.store(sum_tile(e, lo), v.gep(c_ptr, 1024 * sum_tile(e, lo)), 64)
@@ -892,7 +898,8 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                                         total = join(sums(i, e))
                                         q16 = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(3))),
                                                                             builder.add(builder.mul(a, c64(2)), c64(e))), I32)
-                                        total = builder.sub(total, builder.mul(q16, ir.Constant(vi, [code_offset] * lanes)))
+                                        if not signed_codes:
+                                            total = builder.sub(total, builder.mul(q16, ir.Constant(vi, [code_offset] * lanes)))
                                         f = builder.fmul(half_scales[e], x_scale[i])
                                         add_block(h, i, builder.fmul(builder.sitofp(total, vf), f))
                                     continue
@@ -905,12 +912,13 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                                     hi, lo = sums(i)
                                     hi_sum = x_word(x_rows[i], builder.add(builder.add(c_words, builder.mul(na, c64(5))), a),
                                                     I32)
-                                    hi = builder.sub(hi, builder.mul(hi_sum, ir.Constant(vi, [128] * lanes)))
+                                    if not signed_codes:
+                                        hi = builder.sub(hi, builder.mul(hi_sum, ir.Constant(vi, [128] * lanes)))
                                     total = builder.add(v.shl(hi, 8), lo)
                                 else:
                                     total = join(sums(i))
                                 off = t.offset + (128 if t.kind == "bytes" and not split else 0)
-                                if t.kind in ("nibbles", "bytes", "q5") and off:
+                                if t.kind in ("nibbles", "bytes", "q5") and off and not signed_codes:
                                     q_sum = x_word(x_rows[i], builder.add(builder.add(c_words, na), a), I32)
                                     total = builder.sub(total, builder.mul(q_sum, ir.Constant(vi, [off] * lanes)))
                                 if t.kind in ("q4_k", "q5_k"):
