@@ -74,15 +74,56 @@ def test_fast_kernels_equal_their_emulation_at_int8_accuracy(qtype, isa):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_amx_tiles_equal_the_integer_emulation(qtype, fast):
     """16 rows of x at a time by AMX tiles (the rest by VNNI): 16, 17 and 33 rows, K with an odd
-    number of 32-value blocks (the tiles take blocks in pairs), bit-equal to the emulation."""
+    number of 32-value blocks (the tiles take blocks in pairs), bit-equal to the emulation; and
+    the AMX kernel really ran (its compute function was made for the type)."""
     if "avx512amx" not in INT_ISAS:
         pytest.skip("no AMX-INT8 tiles granted to this process")
     K = 256 * 3 if int_matvec.INT_TYPES[qtype].values == 256 else 32 * 25
     raw = blocks(qtype, 32, K, seed=5)
+    mv = int_matvec.IntMatvec(qtype, raw, K, "avx512amx")
     for T in (16, 17, 33):
         x = activations(T, K, seed=T)
-        y = run(qtype, raw, x, "avx512amx", fast)
+        y = mv(x, np.empty((T, 32), np.float32), fast)
         assert np.array_equal(bits(y), bits(int_reference.matvec(raw, qtype, x, fast=fast))), T
+    assert mv.amx == {fast: int_matvec.amx_compute_address(qtype, fast)}
+
+
+def test_amx_waits_for_its_background_group_on_the_vnni_kernels(monkeypatch):
+    """While a type's AMX kernels are compiling in the background its long products take the
+    VNNI kernels (the same bits) and are counted as fallbacks; once ready, the tiles."""
+    if "avx512amx" not in INT_ISAS:
+        pytest.skip("no AMX-INT8 tiles granted to this process")
+    from engine.kernels import background
+
+    group = int_matvec.amx_group(QT.Q4_K)
+    counted = []
+    monkeypatch.setattr(background, "pending", lambda name: name == group)
+    monkeypatch.setattr(background, "count_fallback", counted.append)
+    raw = blocks(QT.Q4_K, 48, 512, seed=6)
+    x = activations(20, 512, seed=7)
+    mv = int_matvec.IntMatvec(QT.Q4_K, raw, 512, "avx512amx")
+    y = mv(x, np.empty((20, 48), np.float32))
+    assert mv.amx == {} and counted == [group]
+    assert np.array_equal(bits(y), bits(run(QT.Q4_K, raw, x, "avx512vnni")))
+    monkeypatch.setattr(background, "pending", lambda name: False)
+    assert np.array_equal(bits(mv(x, np.empty((20, 48), np.float32))), bits(y)) and False in mv.amx
+
+
+def test_amx_kernels_are_made_for_every_type_and_mode():
+    """Each (type, exact or fast) has its own AMX row loop and compute function in int_matvec's
+    file, and a background group whose probe is that row loop."""
+    names = set()
+    for tt in int_matvec.INT_TYPES:
+        for fast in (False, True):
+            loop, compute = int_matvec._ROWS_AMX[tt, fast].py_func, int_matvec._COMPUTE_AMX_PY[tt, fast]
+            for fn in (loop, compute):
+                assert fn.__code__.co_filename == int_matvec.__file__ and fn.__qualname__ not in names
+                names.add(fn.__qualname__)
+            assert getattr(int_matvec, compute.__code__.co_names[0]) is int_matvec._ROWS_AMX[tt, fast]
+        target, probes = int_matvec._AMX_WARM[tt]
+        module, _, function = target.partition(":")
+        assert module == int_matvec.__name__ and callable(getattr(int_matvec, function))
+        assert probes == [f"{int_matvec.__name__}:{int_matvec._ROWS_AMX[tt, False].py_func.__qualname__}"]
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
@@ -230,8 +271,14 @@ def test_assembly_uses_the_integer_instructions(isa):
     # (on a CPU with VNNI, LLVM fuses the AVX2 path's vpmaddwd + vpaddd into one vpdpwssd ymm)
     avx2 = r"vpmaddwd" if not int_dot.isa_available("avxvnni") else r"vpmaddwd|vpdpwssd\s+[^\n]*ymm"
     want = {"avx512vnni": r"vpdpbusd\s+[^\n]*zmm", "avxvnni": r"vpdpbusd\s+[^\n]*ymm", "avx2": avx2,
-            "avx512amx": r"tdpb[su][su]d\s+[^\n]*tmm"}[isa]
+            "avx512amx": r"vpdpbusd\s+[^\n]*zmm"}[isa]  # (avx512amx: its VNNI kernels, AMX's apart)
     assert re.search(want, asm)
+    if isa == "avx512amx":
+        fn = njit(int_matvec._ROWS_AMX[QT.Q4_0, False].py_func)
+        fn(packed, int_dot.quantize_form(np.ones((16, 64), np.float32), "split"), np.empty((16, 16), np.float32),
+           0, 16, 0)
+        asm = "\n".join(fn.inspect_asm(sig) for sig in fn.signatures)
+        assert re.search(r"tdpb[su][su]d\s+[^\n]*tmm", asm) and re.search(r"ldtilecfg", asm)
 
 
 def test_vpdpbusd_is_declared_for_this_llvm():

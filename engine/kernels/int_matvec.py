@@ -45,7 +45,7 @@ from numba import carray, cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import int_dot
+from . import background, int_dot
 from .amx import AmxIR
 from .int_dot import IntIR
 from .pool import BUF_VALUES, CHUNK_BYTES, COMPUTE_SIG, MAX_CHUNKS, call_compute, readonly, run_rows
@@ -979,12 +979,12 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
     return gdot
 
 
-def make_group_dot_exact(t: IntType, isa: str, n: int):
+def make_group_dot_exact(t: IntType, isa: str, n: int, amx: bool = False):
     """The exact intrinsic for the activations `int_dot.EXACT_FORM` gives `isa`: hi/lo bytes
     (`make_group_dot_fast(split=True)`, by AMX tiles for AMX_ROWS rows) or i16 pairs
     (`make_group_dot`, `make_group_dot_k`)."""
     if int_dot.EXACT_FORM[isa] == "split":
-        return make_group_dot_fast(t, isa, n, split=True, amx=n == AMX_ROWS)
+        return make_group_dot_fast(t, isa, n, split=True, amx=amx)
     return (make_group_dot_k if t.values == 256 else make_group_dot)(t, isa, n)
 
 
@@ -993,9 +993,10 @@ def make_group_dot_exact(t: IntType, isa: str, n: int):
 # fit); measured one thread, 64 rows of a 2048 x 2048 matrix against tiles of 4, a test run beside
 # it: fast mode Q4_0 1.23x, Q4_K 1.05x, Q6_K 1.21x; exact 1.03x / 1.08x / 1.16x. The 256-bit
 # sets (16 registers on CPUs without AVX-512, and two halves per group) stay at 4.
-X_TILES = {"avx512amx": (16, 8, 4, 2, 1), "avx512vnni": (8, 4, 2, 1), "avxvnni": (4, 2, 1), "avx2": (4, 2, 1)}
-# AMX: 16 rows of x in one kernel by tiles (`make_group_dot_fast(amx=True)`), fewer by VNNI.
-# Measured in docs/performance.md (2026-12-07).
+# avx512amx: these are the VNNI kernels; its AMX kernels (below) are apart.
+X_TILES = {"avx512amx": (8, 4, 2, 1), "avx512vnni": (8, 4, 2, 1), "avxvnni": (4, 2, 1), "avx2": (4, 2, 1)}
+# AMX: 16 rows of x at a time by tiles (`make_group_dot_fast(amx=True)`). Fewer rows stay on the
+# VNNI kernels: tiles of 8 and 4 rows measured slower than them (docs/performance.md, 2026-12-07).
 AMX_ROWS = 16
 
 # One intrinsic per (type, instruction set, rows of x at once)
@@ -1014,35 +1015,13 @@ _GDOT = {(tt, isa, n): make_group_dot_exact(INT_TYPES[tt], isa, n)
 # ---------------------------------------------------------------------------------------------
 
 # Fast mode (int8 activations)
-_GDOT_FAST = {(tt, isa, n): make_group_dot_fast(INT_TYPES[tt], isa, n, amx=n == AMX_ROWS)
+_GDOT_FAST = {(tt, isa, n): make_group_dot_fast(INT_TYPES[tt], isa, n)
               for tt in INT_TYPES for isa in int_dot.ISA_LANES for n in X_TILES[isa]}
 
 
 # _irows_<type>_<isa> (exact) / _frows_<type>_<isa> (fast): GDOT8, GDOT4, GDOT2 and GDOT1 stand
 # for the module-level names of that kernel's intrinsics (_g_<type>_<isa>_<n> / _f_<type>_<isa>_<n>);
-# _rows_template16 / _rows_template8 for the instruction sets with tiles of 16 / 8 (X_TILES)
-def _rows_template16(raw, xw, y, r0, r1, yoff):
-    T = xw.shape[0]
-    for g in range(r0 // 16, r1 // 16):
-        t = 0
-        while t < T:
-            if T - t >= 16:
-                GDOT16(raw, xw, y, g, t, yoff)  # noqa: F821
-                t += 16
-            elif T - t >= 8:
-                GDOT8(raw, xw, y, g, t, yoff)  # noqa: F821
-                t += 8
-            elif T - t >= 4:
-                GDOT4(raw, xw, y, g, t, yoff)  # noqa: F821
-                t += 4
-            elif T - t >= 2:
-                GDOT2(raw, xw, y, g, t, yoff)  # noqa: F821
-                t += 2
-            else:
-                GDOT1(raw, xw, y, g, t, yoff)  # noqa: F821
-                t += 1
-
-
+# _rows_template8 for the instruction sets with tiles of 8 (X_TILES)
 def _rows_template8(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0]
     for g in range(r0 // 16, r1 // 16):
@@ -1106,8 +1085,7 @@ def _make_kernels(gdots: dict, g_prefix: str, rows_prefix: str, c_prefix: str):
             tiles = X_TILES[isa]
             for n in tiles:
                 globals()[f"_{g_prefix}_{stem}_{n}"] = gdots[tt, isa, n]
-            template = _rows_template16 if 16 in tiles else _rows_template8 if 8 in tiles else _rows_template
-            loop = _kernel_copy(template, f"_{rows_prefix}_{stem}",
+            loop = _kernel_copy(_rows_template8 if 8 in tiles else _rows_template, f"_{rows_prefix}_{stem}",
                                 {f"GDOT{n}": f"_{g_prefix}_{stem}_{n}" for n in tiles})
             rows[tt, isa] = globals()[loop.__name__] = njit(nogil=True, cache=True)(loop)
             computes[tt, isa] = _kernel_copy(_compute_template, f"_{c_prefix}_{stem}", {"ROWS": loop.__name__})
@@ -1118,6 +1096,67 @@ _COMPUTE_PY, _ROWS = _make_kernels(_GDOT, "g", "irows", "c")
 _COMPUTE_FAST_PY, _ROWS_FAST = _make_kernels(_GDOT_FAST, "f", "frows", "cf")
 _cfuncs: dict = {}
 _cfunc_lock = threading.Lock()
+
+
+# AMX (instruction set avx512amx): per (type, exact or fast) a row loop over whole tiles of
+# AMX_ROWS rows of x only (`IntMatvec` sends the rest of the rows to the VNNI kernels) and its
+# compute function, compiled apart from the VNNI kernels, off the path to the first token: a first
+# start compiles them in the background (`background`, one group per type, started by `warm_up`),
+# and until a type's group is ready its products take the VNNI kernels, which give the same bits.
+# _arows_<type> / _afrows_<type> (exact / fast), GDOT16 their intrinsic (_a_<type> / _af_<type>).
+def _rows_template_amx(raw, xw, y, r0, r1, yoff):
+    T = xw.shape[0] // 16 * 16
+    for g in range(r0 // 16, r1 // 16):
+        for t in range(0, T, 16):
+            GDOT16(raw, xw, y, g, t, yoff)  # noqa: F821
+
+
+def _make_amx_kernels():
+    computes, rows = {}, {}
+    for tt in INT_TYPES:
+        for fast in (False, True):
+            stem = f"{'af' if fast else 'a'}_{tt.name.lower()}"
+            gdot = (make_group_dot_fast(INT_TYPES[tt], "avx512amx", AMX_ROWS, amx=True) if fast
+                    else make_group_dot_exact(INT_TYPES[tt], "avx512amx", AMX_ROWS, amx=True))
+            globals()[f"_{stem}"] = gdot
+            loop = _kernel_copy(_rows_template_amx, f"_{stem}rows", {"GDOT16": f"_{stem}"})
+            rows[tt, fast] = globals()[loop.__name__] = njit(nogil=True, cache=True)(loop)
+            computes[tt, fast] = _kernel_copy(_compute_template, f"_c{stem}", {"ROWS": loop.__name__})
+    return computes, rows
+
+
+_COMPUTE_AMX_PY, _ROWS_AMX = _make_amx_kernels()
+
+
+def amx_group(ggml_type) -> str:
+    """The background group (`engine.kernels.background`) of a type's exact AMX kernels."""
+    return f"AMX tiles ({ggml_type.name})"
+
+
+def amx_compute_address(ggml_type, fast: bool = False) -> int:
+    """The address of a type's AMX compute function (whole tiles of AMX_ROWS rows of x), compiled
+    or loaded from numba's disk cache on first use."""
+    key = (ggml_type, "amx", fast)
+    fn = _cfuncs.get(key)
+    if fn is None:
+        with _cfunc_lock:
+            fn = _cfuncs.get(key)
+            if fn is None:
+                fn = _cfuncs[key] = cfunc(COMPUTE_SIG, nogil=True, cache=True)(_COMPUTE_AMX_PY[ggml_type, fast])
+    return fn.address
+
+
+def _amx_warm_target(ggml_type):
+    def warm() -> None:  # (run by the background group: in its child process, then here)
+        amx_compute_address(ggml_type)
+
+    name = f"warm_amx_{ggml_type.name.lower()}"
+    warm.__name__ = warm.__qualname__ = name
+    globals()[name] = warm
+    return f"{__name__}:{name}", [f"{__name__}:_a_{ggml_type.name.lower()}rows"]
+
+
+_AMX_WARM = {tt: _amx_warm_target(tt) for tt in INT_TYPES}
 
 
 def compute_address(ggml_type, isa: str, fast: bool = False) -> int:
@@ -1138,7 +1177,8 @@ class IntMatvec:
     """y = x @ W.T by the integer kernels, for one matrix: W the GGUF blocks `raw` (rows, bytes),
     repacked here (the caller drops `raw` and keeps `packed`)."""
 
-    __slots__ = ("ggml_type", "isa", "packed", "n_rows", "in_features", "compute", "compute_fast", "chunk", "form")
+    __slots__ = ("ggml_type", "isa", "packed", "n_rows", "in_features", "compute", "compute_fast", "chunk", "form",
+                 "amx")
 
     def __init__(self, ggml_type, raw: np.ndarray, in_features: int, isa: str, packed: np.ndarray | None = None):
         if not supports(ggml_type, raw.shape[0], in_features) or isa not in int_dot.ISA_LANES:
@@ -1151,6 +1191,8 @@ class IntMatvec:
         self.compute = compute_address(ggml_type, isa)
         self.form = int_dot.activation_form(isa, False)  # the exact kernels' activations
         self.compute_fast = None  # compiled on the first fast-mode product
+        # avx512amx: {fast: AMX compute address}, each made on its first product of AMX_ROWS rows or more
+        self.amx = {} if isa == "avx512amx" else None
         # rows per chunk: ~CHUNK_BYTES, whole groups of GROUP rows, and at most MAX_CHUNKS chunks
         # (the pool's state array has that many slots: a vocabulary-sized matrix of 262,144 rows
         # needs chunks of 64 rows or more)
@@ -1169,19 +1211,47 @@ class IntMatvec:
             compute = self.compute
         if xw is None:
             xw = int_dot.quantize_form(x, "fast" if fast else self.form)
+        T = x.shape[0]
+        # (AMX: whole tiles of rows, also in each slice of a long input; a matrix whose chunks
+        # hold under AMX_ROWS rows of x in the pool's buffer stays on VNNI)
+        if self.amx is not None and T >= AMX_ROWS and BUF_VALUES // self.chunk >= AMX_ROWS:
+            amx = self._amx_compute(fast)
+            if amx:  # whole tiles of rows by AMX, the rest below (a row's bits are the same either way)
+                whole = T // AMX_ROWS * AMX_ROWS
+                self._rows(amx, xw[:whole], out[:whole], AMX_ROWS)
+                if whole == T:
+                    return out
+                xw, out_rest = xw[whole:], out[whole:]
+                self._rows(compute, xw, out_rest)
+                return out
+        self._rows(compute, xw, out)
+        return out
+
+    def _amx_compute(self, fast: bool) -> int:
+        """The AMX compute function's address, or 0 while the type's exact kernels are still being
+        compiled in the background (the VNNI kernels answer meanwhile)."""
+        address = self.amx.get(fast)
+        if address is None:
+            group = amx_group(self.ggml_type)
+            if background.pending(group):
+                background.count_fallback(group)
+                return 0
+            address = self.amx[fast] = amx_compute_address(self.ggml_type, fast)
+        return address
+
+    def _rows(self, compute: int, xw: np.ndarray, out: np.ndarray, multiple: int = 1) -> None:
         # the pool shares a job of at most BUF_VALUES outputs per chunk: a long prompt goes in
         # slices of rows of x (the kernels compute a row the same in any batch, so slicing changes
-        # no bit)
-        T = x.shape[0]
-        step = max(1, BUF_VALUES // self.chunk)
+        # no bit), each a multiple of `multiple` rows
+        T = xw.shape[0]
+        step = max(multiple, BUF_VALUES // self.chunk // multiple * multiple)
         if T <= step:  # (a decode step, a batch: no slices to make)
             run_rows(compute, self.packed, xw, out, self.chunk, self.chunk * self.packed.shape[1] * T)
-            return out
+            return
         for t0 in range(0, T, step):
             t1 = min(t0 + step, T)
             run_rows(compute, self.packed, xw[t0:t1], out[t0:t1], self.chunk,
                      self.chunk * self.packed.shape[1] * (t1 - t0))
-        return out
 
     def rows_gguf(self, rows: np.ndarray) -> np.ndarray:
         return unpack_rows(self.packed, self.ggml_type, rows)
@@ -1313,4 +1383,6 @@ def warm_up(ggml_types, isa: str, fast: bool = False) -> float:
     segments_address()  # (IntMatvecGroup's; its calls take the types' own compute functions)
     seconds = time.perf_counter() - t0
     log.info("integer kernels (%s) for %s ready in %.2f s", isa, ", ".join(t.name for t in todo), seconds)
+    if isa == "avx512amx":  # the AMX kernels off the path to the first token
+        background.start([(amx_group(t), *_AMX_WARM[t]) for t in todo])
     return seconds
