@@ -58,3 +58,18 @@ def test_bench_long_decode_prints_a_row_per_spec_and_context():
         step, alone = float(cells[2]), [float(x) for x in cells[5].split("/")]
         assert math.isfinite(step) and step > 0 and all(a > 0 for a in alone), cells
     assert rows[0][3].strip() == "1.00x"
+
+
+def test_bench_int_rows_prints_a_row_per_type_and_row_count():
+    from engine.kernels import int_dot
+
+    isas = [i for i in int_dot.ISA_LANES if int_dot.isa_available(i)]
+    if not isas:
+        pytest.skip("no integer instruction set on this CPU")
+    out = bench("bench_int_rows.py", "--rows", "1", "17", "--types", "Q4_K", "Q6_K", "--copies", "1",
+                "--rounds", "1")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()[3:] if line.startswith("|")]
+    assert [(r[0], int(r[2])) for r in rows] == [("Q4_K", 1), ("Q4_K", 17), ("Q6_K", 1), ("Q6_K", 17)], out
+    for cells in rows:
+        times = [float(c.split()[0]) for c in cells[3 : 3 + len(isas)]]
+        assert len(cells) == 3 + 2 * len(isas) - 1 and all(math.isfinite(t) and t > 0 for t in times), cells
