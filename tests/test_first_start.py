@@ -91,11 +91,16 @@ def test_integer_kernels_load_from_the_disk_cache_in_a_second_process(tmp_path):
         assert proc.returncode == 0, proc.stderr
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     isa = int_dot.kernel_isa()
-    assert runs[0] == {"hits": [0, 0, 0], "compiled": [f"_frows_q4_0_{isa}", f"_irows_q4_0_{isa}"]}
-    assert runs[1] == {"hits": [1, 1, 1], "compiled": []}
+    amx = isa == "avx512amx"  # + the fast mode's AMX compute function (warm_up(fast=True) makes it)
+    n = 4 if amx else 3
+    assert runs[0] == {"hits": [0] * n, "compiled": [f"_frows_q4_0_{isa}", f"_irows_q4_0_{isa}"]}
+    assert runs[1] == {"hits": [1] * n, "compiled": []}
     cached = {p.name.split("-")[0] for p in (tmp_path / "numba").rglob("int_matvec.*.nbi")}
-    assert cached == ({f"int_matvec.{kind}_q4_0_{isa}" for kind in ("_c", "_cf", "_irows", "_frows")}
-                      | {"int_matvec._compute_segments"})
+    want = ({f"int_matvec.{kind}_q4_0_{isa}" for kind in ("_c", "_cf", "_irows", "_frows")}
+            | {"int_matvec._compute_segments"} | ({"int_matvec._caf_q4_0", "int_matvec._af_q4_0rows"} if amx else set()))
+    # (the exact AMX kernels compile in a background child, which may or may not finish before
+    # the process exits)
+    assert want <= cached <= want | {"int_matvec._ca_q4_0", "int_matvec._a_q4_0rows"}
 
 
 def test_deferred_pool_gives_the_same_products(monkeypatch):

@@ -347,3 +347,12 @@ def test_a_matrix_of_more_chunks_than_the_pool_has_slots(qtype):
     y = mv(np.ascontiguousarray(x), np.empty((2, rows), np.float32))
     one = run(qtype, group, x, INT_ISAS[0])
     assert np.array_equal(bits(y), bits(np.tile(one, (1, rows // int_matvec.GROUP))))
+
+
+def test_fast_mode_warm_up_makes_the_amx_kernels_too():
+    """`warm_up(fast=True)` (what `Engine.set_arith("fast")` calls) compiles a type's fast AMX
+    kernel with its fast VNNI ones, so the first fast-mode prefill does not wait for it."""
+    if "avx512amx" not in INT_ISAS:
+        pytest.skip("no AMX-INT8 tiles granted to this process")
+    int_matvec.warm_up({QT.Q4_0}, "avx512amx", fast=True)
+    assert (QT.Q4_0, "amx", True) in int_matvec._cfuncs and (QT.Q4_0, "avx512amx", True) in int_matvec._cfuncs

@@ -1229,7 +1229,8 @@ class IntMatvec:
 
     def _amx_compute(self, fast: bool) -> int:
         """The AMX compute function's address, or 0 while the type's exact kernels are still being
-        compiled in the background (the VNNI kernels answer meanwhile)."""
+        compiled in the background (the VNNI kernels answer meanwhile). The fast mode's are made by
+        `warm_up(fast=True)` (`Engine.set_arith`), else here on first use."""
         address = self.amx.get(fast)
         if address is None:
             group = amx_group(self.ggml_type)
@@ -1364,6 +1365,8 @@ def warm_up(ggml_types, isa: str, fast: bool = False) -> float:
         t0 = time.perf_counter()
         for t in todo:
             compute_address(t, isa, True)
+            if isa == "avx512amx":  # (its AMX kernels too: a first fast-mode prefill would wait for them)
+                amx_compute_address(t, True)
         seconds = time.perf_counter() - t0
         log.info("fast-mode integer kernels (%s) for %s ready in %.2f s", isa, ", ".join(t.name for t in todo),
                  seconds)
