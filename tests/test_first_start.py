@@ -81,7 +81,9 @@ def test_integer_kernels_load_from_the_disk_cache_in_a_second_process(tmp_path):
         m.warm_up([QT.Q4_0], isa)
         m.warm_up([QT.Q4_0], isa, fast=True)
         loops = [n for n in dir(m) if n.startswith(("_irows_", "_frows_"))]
-        print(json.dumps({"hits": sorted(f.cache_hits for f in (*m._cfuncs.values(), m._segments_cfunc)),
+        # (the exact AMX kernels: a background group, loaded here whenever its child has cached them)
+        fns = [f for key, f in m._cfuncs.items() if key[1:] != ("amx", False)]
+        print(json.dumps({"hits": sorted(f.cache_hits for f in (*fns, m._segments_cfunc)),
                           "compiled": sorted(n for n in loops if getattr(m, n).signatures)}))
     """
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}
