@@ -1153,7 +1153,7 @@ def _amx_warm_target(ggml_type):
     name = f"warm_amx_{ggml_type.name.lower()}"
     warm.__name__ = warm.__qualname__ = name
     globals()[name] = warm
-    return f"{__name__}:{name}", [f"{__name__}:_a_{ggml_type.name.lower()}rows"]
+    return f"{__name__}:{name}", [f"{__name__}:{_ROWS_AMX[ggml_type, False].py_func.__qualname__}"]
 
 
 _AMX_WARM = {tt: _amx_warm_target(tt) for tt in INT_TYPES}
@@ -1221,9 +1221,11 @@ class IntMatvec:
                 self._rows(amx, xw[:whole], out[:whole], AMX_ROWS)
                 if whole == T:
                     return out
-                xw, out_rest = xw[whole:], out[whole:]
-                self._rows(compute, xw, out_rest)
+                self._rows(compute, xw[whole:], out[whole:])
                 return out
+        if T <= BUF_VALUES // self.chunk:  # (a decode step, a batch: one job, no method call more)
+            run_rows(compute, self.packed, xw, out, self.chunk, self.chunk * self.packed.shape[1] * T)
+            return out
         self._rows(compute, xw, out)
         return out
 
