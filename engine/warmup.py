@@ -97,7 +97,7 @@ def warm_up_attention() -> float:
 
 
 def _compile_rope() -> None:
-    """The model's one-token RoPE kernel (`engine.kernels.norms`), compiled in the foreground: the
+    """The model's RoPE kernel (`engine.kernels.norms`), compiled in the foreground: the
     first decode step calls it, and would otherwise wait on numba's compiler lock for whatever the
     background thread is compiling then."""
     one = np.ones((1, 4), np.float32)
@@ -109,7 +109,7 @@ def start_warm_up(wait: bool | None = None) -> None:
     """Make the compiled paths of a decode step ready without holding up the first answer
     (`Engine.load` calls this once the model's weight kernels are ready).
 
-    wait=False (default, unless OMLX_KERNEL_WARMUP=wait): compile the one-token RoPE kernel now,
+    wait=False (default, unless OMLX_KERNEL_WARMUP=wait): compile the RoPE kernel now,
     and have the norms, the thread pool and the attention kernels compiled in the background
     (`engine.kernels.background`: norms, pool, batched, decode, packed-code, in that order; a
     first start compiles them in a child process); until each is ready its calls take the exact

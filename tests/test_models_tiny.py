@@ -147,23 +147,36 @@ def test_compiled_rms_norm_is_the_numpy_expression_bit_for_bit(dim):
                                   strided * (1.0 / np.sqrt(ms + np.float32(1e-6))) * weight)
 
 
+def _rope_by_numpy(x, cos, sin, neox):
+    """The rotation as numpy array expressions (what apply_rope computed before its kernel)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    if neox:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * c - b * s
+    out[..., 1::2] = a * s + b * c
+    return out
+
+
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 48, 256])
-def test_rope_of_one_token_is_the_numpy_rotation_bit_for_bit(neox, head_dim):
-    """Decode (and up to ROPE_ROWS_COMPILED rows: a decode batch, a verify pass) rotates each
-    token in one compiled call; it must equal the batched numpy rotation exactly, or decode
-    would drift from prefill."""
-    from engine.kernels.norms import ROPE_ROWS_COMPILED, apply_rope
+def test_rope_kernel_is_the_numpy_rotation_bit_for_bit(neox, head_dim):
+    """Every rotation of float32 rows (a decode token, a verify pass, a prefill shared between
+    two threads) is one compiled kernel; it must equal the numpy expressions exactly, or a
+    token rotated alone would differ from the same token in a batch."""
+    from engine.kernels.norms import ROPE_SHARED_ROWS, apply_rope
     from engine.models.base import rope_tables
 
     rng = np.random.default_rng(2)
-    n = ROPE_ROWS_COMPILED + 1  # the numpy path
+    n = ROPE_SHARED_ROWS + 37
     x = (rng.standard_normal((n, 9, head_dim)) * 4).astype(np.float32)
     cos, sin = rope_tables(np.arange(4321, 4321 + n), head_dim, 10000.0)
-    by_numpy = apply_rope(x, cos, sin, neox)
-    for rows in (1, 3, ROPE_ROWS_COMPILED):
-        few = apply_rope(x[:rows], cos[:rows], sin[:rows], neox)
-        np.testing.assert_array_equal(few, by_numpy[:rows])
-    strided = x[:, :, :].transpose(1, 0, 2).copy().transpose(1, 0, 2)[:2]  # not C-contiguous
+    by_numpy = _rope_by_numpy(x, cos, sin, neox)
+    for rows in (1, 3, ROPE_SHARED_ROWS - 1, ROPE_SHARED_ROWS, n):
+        np.testing.assert_array_equal(apply_rope(x[:rows], cos[:rows], sin[:rows], neox), by_numpy[:rows])
+    strided = x[:, :, :].transpose(1, 0, 2).copy().transpose(1, 0, 2)[:2]  # not C-contiguous: numpy
     np.testing.assert_array_equal(apply_rope(strided, cos[:2], sin[:2], neox), by_numpy[:2])
     assert not np.array_equal(by_numpy, x)

@@ -3,7 +3,7 @@ and the sampler's running sum over the vocabulary.
 
 Each has a numpy expression (the reference, and the path for other dtypes and layouts) and a
 compiled form that reproduces that expression bit for bit (`_rms_rows` numpy's pairwise sum,
-`_rope_one` the rotation of one decode token, `_running_sum` np.cumsum of float64), so that decode
+`_rope_rows` the rotation, `_running_sum` np.cumsum of float64), so that decode
 never drifts from prefill and a seeded draw picks the same token either way.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import background
+from . import background, helper
 
 # the background group (`engine.kernels.background`) that compiles `_rms_rows` and `_running_sum`
 # on a first start; until it is ready rms_norm and running_sum take numpy (the same results)
@@ -64,9 +64,10 @@ def running_sum(weights: np.ndarray, out: np.ndarray) -> np.ndarray:
     return np.cumsum(weights, out=out)
 
 
-# rows of x up to which apply_rope calls the one-token kernel per row: (T, 9 heads, 64) float32,
-# per row / numpy (2026-12-04, Zen 5): 2 rows 3.7 / 11.3 us, 4 rows 5.7 / 13.7, 8 rows 10.4 / 12.3
-ROPE_ROWS_COMPILED = 8
+# rows of x from which apply_rope's compiled rotation is shared with the helper thread, in two
+# halves of rows: a prefill's 512 x 32 heads x 64 took ~3.3 ms in numpy's ten array operations,
+# 1.0 ms compiled on one thread (2026-12-07, Xeon)
+ROPE_SHARED_ROWS = 64
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
@@ -74,16 +75,23 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> n
 
     neox=False: pairs are adjacent (x[2i], x[2i+1]) — llama in GGUF (converter permuted Q/K rows).
     neox=True:  pairs are halves (x[i], x[i + dim/2]) — gemma3, qwen2, ...
-    """
-    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, dim/2)
-    if x.shape[0] <= ROPE_ROWS_COMPILED and x.dtype == np.float32 and _rope_one is not None:
-        # decode, a decode batch's or a verify pass's few rows: one compiled call per row (the
-        # numpy path's ~10 array operations cost more below ~16 rows; the same bits either way)
+
+    A C-contiguous float32 x takes one compiled call (`_rope_rows`; long inputs in two halves on
+    two threads), which computes the numpy expression below bit for bit."""
+    if (_rope_rows is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 3
+            and x.flags.c_contiguous and cos.dtype == np.float32 and sin.dtype == np.float32
+            and cos.shape == sin.shape == (x.shape[0], x.shape[2] // 2) and cos.flags.c_contiguous
+            and sin.flags.c_contiguous):
         out = np.empty_like(x)
-        x = np.ascontiguousarray(x)
-        for t in range(x.shape[0]):
-            _rope_one(x[t], cos[t], sin[t], neox, out[t])
+        T = x.shape[0]
+        if T < ROPE_SHARED_ROWS:
+            _rope_rows(x, cos, sin, neox, out)
+        else:
+            h = T // 2
+            helper.share(_rope_rows, [(x[:h], cos[:h], sin[:h], neox, out[:h]),
+                                      (x[h:], cos[h:], sin[h:], neox, out[h:])])
         return out
+    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, dim/2)
     if neox:
         half = x.shape[-1] // 2
         a, b = x[..., :half], x[..., half:]
@@ -99,22 +107,23 @@ try:
     from numba import njit
 
     @njit(cache=True, nogil=True)
-    def _rope_one(x, cos, sin, neox, out):
-        """apply_rope of one token: x, out (heads, dim) float32; cos, sin (dim/2,). The same
-        products and sums as the numpy path (no fused multiply-add), so the same results."""
-        half = cos.shape[0]
-        for h in range(x.shape[0]):
-            for i in range(half):
-                if neox:
-                    a, b = x[h, i], x[h, i + half]
-                else:
-                    a, b = x[h, 2 * i], x[h, 2 * i + 1]
-                ra = a * cos[i] - b * sin[i]
-                rb = a * sin[i] + b * cos[i]
-                if neox:
-                    out[h, i], out[h, i + half] = ra, rb
-                else:
-                    out[h, 2 * i], out[h, 2 * i + 1] = ra, rb
+    def _rope_rows(x, cos, sin, neox, out):
+        """apply_rope: x, out (T, heads, dim) float32; cos, sin (T, dim/2). The same products and
+        sums as the numpy path (no fused multiply-add), so the same results."""
+        half = cos.shape[1]
+        for t in range(x.shape[0]):
+            for h in range(x.shape[1]):
+                for i in range(half):
+                    if neox:
+                        a, b = x[t, h, i], x[t, h, i + half]
+                    else:
+                        a, b = x[t, h, 2 * i], x[t, h, 2 * i + 1]
+                    ra = a * cos[t, i] - b * sin[t, i]
+                    rb = a * sin[t, i] + b * cos[t, i]
+                    if neox:
+                        out[t, h, i], out[t, h, i + half] = ra, rb
+                    else:
+                        out[t, h, 2 * i], out[t, h, 2 * i + 1] = ra, rb
     # numpy's pairwise summation of float32 (loops_utils.h: blocks of at most 128 values, each
     # summed with 8 accumulators; longer runs split in two halves, the split a multiple of 8),
     # reproduced exactly so that `_rms_rows` equals the numpy expression bit for bit
@@ -198,6 +207,6 @@ try:
             total += weights[i]
             out[i] = total
 except ImportError:  # pragma: no cover - numba is a dependency; the numpy path stays the reference
-    _rope_one = None
+    _rope_rows = None
     _rms_rows = None
     _running_sum = None
