@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from types import FunctionType
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType as QT
@@ -49,8 +48,8 @@ from . import background, int_dot
 from .amx import AmxIR
 from .int_dot import IntIR
 from .pool import BUF_VALUES, CHUNK_BYTES, COMPUTE_SIG, MAX_CHUNKS, call_compute, readonly, run_rows
-from .vector_ir import (F16, F32, I8, I32, I64, VectorIR, data_pointer, f32_pointer, i64_pointer, u8_pointer,
-                        vector_type)
+from .vector_ir import (F16, F32, I8, I32, I64, VectorIR, data_pointer, f32_pointer, i64_pointer, kernel_copy,
+                        u8_pointer, vector_type)
 
 log = logging.getLogger("omlx.kernels")
 
@@ -1066,13 +1065,8 @@ def _compute_template(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_c
 
 
 def _kernel_copy(template, name: str, renames: dict):
-    """`template` as the function `name` of this module (in its globals), the global names in its
-    code renamed by `renames`: the same bytecode, its own qualified name (numba's cache file)."""
-    code = template.__code__
-    code = code.replace(co_name=name, co_qualname=name, co_names=tuple(renames.get(n, n) for n in code.co_names))
-    fn = FunctionType(code, globals(), name)
-    globals()[name] = fn
-    return fn
+    """`template` as the function `name` of this module (`vector_ir.kernel_copy`)."""
+    return kernel_copy(template, globals(), name, renames)
 
 
 def _make_kernels(gdots: dict, g_prefix: str, rows_prefix: str, c_prefix: str):

@@ -95,6 +95,7 @@ from .vector_ir import (
     make_row_dequantize,
     make_row_dot,
     ACC_VALUES,
+    kernel_copy,
     make_rows_dot_part,
     u8_pointer,
     vector_type,
@@ -313,7 +314,8 @@ def _dec_bf16(v, blk):
     return [v.b.bitcast(v.shl(h, 16), vector_type(F32, LANES))]
 
 
-# ggml type -> (decoder, values per block, bytes per block)
+# The one declaration of each type the float kernels read: ggml type -> (decoder, values per
+# block, bytes per block); its kernels are made from it (`_make_kernels`).
 _DECODERS = {
     QT.Q8_0: (_dec_q8_0, 32, 34),
     QT.Q4_0: (_dec_q4_0, 32, 18),
@@ -333,84 +335,9 @@ _DECODERS = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Intrinsics: one row dot product and one row dequantization per type
+# Kernels (numba), made for every declared type from templates: each type's row dot products (one
+# and several rows of x), row dequantization and pool compute function
 # ---------------------------------------------------------------------------------------------
-
-
-_dot_q8_0 = make_row_dot(*_DECODERS[QT.Q8_0])
-_dot_q4_0 = make_row_dot(*_DECODERS[QT.Q4_0])
-_dot_q4_1 = make_row_dot(*_DECODERS[QT.Q4_1])
-_dot_q5_0 = make_row_dot(*_DECODERS[QT.Q5_0])
-_dot_q5_1 = make_row_dot(*_DECODERS[QT.Q5_1])
-_dot_q4_k = make_row_dot(*_DECODERS[QT.Q4_K])
-_dot_q5_k = make_row_dot(*_DECODERS[QT.Q5_K])
-_dot_q6_k = make_row_dot(*_DECODERS[QT.Q6_K])
-_dot_f16 = make_row_dot(*_DECODERS[QT.F16])
-_dot_bf16 = make_row_dot(*_DECODERS[QT.BF16])
-_dot_q2_k = make_row_dot(*_DECODERS[QT.Q2_K])
-_dot_q3_k = make_row_dot(*_DECODERS[QT.Q3_K])
-_dot_iq4_nl = make_row_dot(*_DECODERS[QT.IQ4_NL])
-_dot_iq4_xs = make_row_dot(*_DECODERS[QT.IQ4_XS])
-
-
-_part4_q8_0 = make_rows_dot_part(*_DECODERS[QT.Q8_0], 4)
-_part4_q4_0 = make_rows_dot_part(*_DECODERS[QT.Q4_0], 4)
-_part4_q4_1 = make_rows_dot_part(*_DECODERS[QT.Q4_1], 4)
-_part4_q5_0 = make_rows_dot_part(*_DECODERS[QT.Q5_0], 4)
-_part4_q5_1 = make_rows_dot_part(*_DECODERS[QT.Q5_1], 4)
-_part4_q4_k = make_rows_dot_part(*_DECODERS[QT.Q4_K], 4)
-_part4_q5_k = make_rows_dot_part(*_DECODERS[QT.Q5_K], 4)
-_part4_q6_k = make_rows_dot_part(*_DECODERS[QT.Q6_K], 4)
-_part4_f16 = make_rows_dot_part(*_DECODERS[QT.F16], 4)
-_part4_bf16 = make_rows_dot_part(*_DECODERS[QT.BF16], 4)
-_part4_q2_k = make_rows_dot_part(*_DECODERS[QT.Q2_K], 4)
-_part4_q3_k = make_rows_dot_part(*_DECODERS[QT.Q3_K], 4)
-_part4_iq4_nl = make_rows_dot_part(*_DECODERS[QT.IQ4_NL], 4)
-_part4_iq4_xs = make_rows_dot_part(*_DECODERS[QT.IQ4_XS], 4)
-_part2_q8_0 = make_rows_dot_part(*_DECODERS[QT.Q8_0], 2)
-_part2_q4_0 = make_rows_dot_part(*_DECODERS[QT.Q4_0], 2)
-_part2_q4_1 = make_rows_dot_part(*_DECODERS[QT.Q4_1], 2)
-_part2_q5_0 = make_rows_dot_part(*_DECODERS[QT.Q5_0], 2)
-_part2_q5_1 = make_rows_dot_part(*_DECODERS[QT.Q5_1], 2)
-_part2_q4_k = make_rows_dot_part(*_DECODERS[QT.Q4_K], 2)
-_part2_q5_k = make_rows_dot_part(*_DECODERS[QT.Q5_K], 2)
-_part2_q6_k = make_rows_dot_part(*_DECODERS[QT.Q6_K], 2)
-_part2_f16 = make_rows_dot_part(*_DECODERS[QT.F16], 2)
-_part2_bf16 = make_rows_dot_part(*_DECODERS[QT.BF16], 2)
-_part2_q2_k = make_rows_dot_part(*_DECODERS[QT.Q2_K], 2)
-_part2_q3_k = make_rows_dot_part(*_DECODERS[QT.Q3_K], 2)
-_part2_iq4_nl = make_rows_dot_part(*_DECODERS[QT.IQ4_NL], 2)
-_part2_iq4_xs = make_rows_dot_part(*_DECODERS[QT.IQ4_XS], 2)
-_part1_q8_0 = make_rows_dot_part(*_DECODERS[QT.Q8_0], 1)
-_part1_q4_0 = make_rows_dot_part(*_DECODERS[QT.Q4_0], 1)
-_part1_q4_1 = make_rows_dot_part(*_DECODERS[QT.Q4_1], 1)
-_part1_q5_0 = make_rows_dot_part(*_DECODERS[QT.Q5_0], 1)
-_part1_q5_1 = make_rows_dot_part(*_DECODERS[QT.Q5_1], 1)
-_part1_q4_k = make_rows_dot_part(*_DECODERS[QT.Q4_K], 1)
-_part1_q5_k = make_rows_dot_part(*_DECODERS[QT.Q5_K], 1)
-_part1_q6_k = make_rows_dot_part(*_DECODERS[QT.Q6_K], 1)
-_part1_f16 = make_rows_dot_part(*_DECODERS[QT.F16], 1)
-_part1_bf16 = make_rows_dot_part(*_DECODERS[QT.BF16], 1)
-_part1_q2_k = make_rows_dot_part(*_DECODERS[QT.Q2_K], 1)
-_part1_q3_k = make_rows_dot_part(*_DECODERS[QT.Q3_K], 1)
-_part1_iq4_nl = make_rows_dot_part(*_DECODERS[QT.IQ4_NL], 1)
-_part1_iq4_xs = make_rows_dot_part(*_DECODERS[QT.IQ4_XS], 1)
-
-_deq_q8_0 = make_row_dequantize(*_DECODERS[QT.Q8_0])
-_deq_q4_0 = make_row_dequantize(*_DECODERS[QT.Q4_0])
-_deq_q4_1 = make_row_dequantize(*_DECODERS[QT.Q4_1])
-_deq_q5_0 = make_row_dequantize(*_DECODERS[QT.Q5_0])
-_deq_q5_1 = make_row_dequantize(*_DECODERS[QT.Q5_1])
-_deq_q4_k = make_row_dequantize(*_DECODERS[QT.Q4_K])
-_deq_q5_k = make_row_dequantize(*_DECODERS[QT.Q5_K])
-_deq_q6_k = make_row_dequantize(*_DECODERS[QT.Q6_K])
-_deq_f16 = make_row_dequantize(*_DECODERS[QT.F16])
-_deq_bf16 = make_row_dequantize(*_DECODERS[QT.BF16])
-_deq_q2_k = make_row_dequantize(*_DECODERS[QT.Q2_K])
-_deq_q3_k = make_row_dequantize(*_DECODERS[QT.Q3_K])
-_deq_iq4_nl = make_row_dequantize(*_DECODERS[QT.IQ4_NL])
-_deq_iq4_xs = make_row_dequantize(*_DECODERS[QT.IQ4_XS])
-
 
 # Several rows of x (a decode batch): weight rows go _ROW_GROUP at a time through K tiles of ~512
 # values, each block decoded once for up to 4 rows of x, the partial sums kept per (weight row, x
@@ -421,24 +348,24 @@ _deq_iq4_xs = make_row_dequantize(*_DECODERS[QT.IQ4_XS])
 # 576-value rows were slower in tiles).
 _ROW_GROUP = 16
 _UNTILED_K = 1024
-
-# ---------------------------------------------------------------------------------------------
-# Kernels (numba): dot products of a range of output rows, dequantization of listed rows
-# ---------------------------------------------------------------------------------------------
-# Written out per type (not made by a factory) so that numba's on-disk cache keys each of them by
-# its own source line. All release the GIL.
+_TILE_VALUES = 512
 
 
-@njit(nogil=True, cache=True)
-def _rows_q8_0(raw, x, y, r0, r1, yoff):
+# The templates. Each type's copy (`kernel_copy`: the same bytecode under the type's own name, so
+# that numba's disk cache files it apart) reads its own module-level names for the capitalised
+# ones: _dot_<type>, _part{4,2,1}_<type> (`make_row_dot`, `make_rows_dot_part`), _deq_<type>
+# (`make_row_dequantize`), _values_<type> (values per block) and _tile_<type> (blocks per K tile).
+# All release the GIL.
+def _row_loop_template(raw, x, y, r0, r1, yoff):
+    """y[:, r - yoff] = x @ W[r] for the weight rows r0 .. r1-1 (raw: the rows' blocks)."""
     T = x.shape[0]
     if T == 1:
         x0 = x[0]
         for r in range(r0, r1):
-            y[0, r - yoff] = _dot_q8_0(raw[r], x0)
+            y[0, r - yoff] = DOT(raw[r], x0)  # noqa: F821
         return
-    nb = x.shape[1] // 32
-    kt = nb if x.shape[1] <= _UNTILED_K else 16  # K tiles of 512 values
+    nb = x.shape[1] // VALUES  # noqa: F821
+    kt = nb if x.shape[1] <= _UNTILED_K else TILE  # noqa: F821
     acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
     for g0 in range(r0, r1, _ROW_GROUP):
         g1 = min(r1, g0 + _ROW_GROUP)
@@ -450,557 +377,24 @@ def _rows_q8_0(raw, x, y, r0, r1, yoff):
                 for r in range(g0, g1):
                     c = r - yoff
                     if n == 4:
-                        s0, s1, s2, s3 = _part4_q8_0(raw[r], x, t, b0, b1, acc[r - g0])
+                        s0, s1, s2, s3 = PART4(raw[r], x, t, b0, b1, acc[r - g0])  # noqa: F821
                         if b1 == nb:
                             y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
                     elif n == 2:
-                        s0, s1 = _part2_q8_0(raw[r], x, t, b0, b1, acc[r - g0])
+                        s0, s1 = PART2(raw[r], x, t, b0, b1, acc[r - g0])  # noqa: F821
                         if b1 == nb:
                             y[t, c], y[t + 1, c] = s0, s1
                     else:
-                        s0 = _part1_q8_0(raw[r], x, t, b0, b1, acc[r - g0])[0]
+                        s0 = PART1(raw[r], x, t, b0, b1, acc[r - g0])[0]  # noqa: F821
                         if b1 == nb:
                             y[t, c] = s0
             t += n
 
 
-@njit(nogil=True, cache=True)
-def _dq_q8_0(raw, rows, out):
+def _dequantize_template(raw, rows, out):
+    """out[i] = W[rows[i]]."""
     for i in range(out.shape[0]):
-        _deq_q8_0(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_q4_0(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_q4_0(raw[r], x0)
-        return
-    nb = x.shape[1] // 32
-    kt = nb if x.shape[1] <= _UNTILED_K else 16  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_q4_0(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_q4_0(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_q4_0(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_q4_0(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_q4_0(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_q4_1(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_q4_1(raw[r], x0)
-        return
-    nb = x.shape[1] // 32
-    kt = nb if x.shape[1] <= _UNTILED_K else 16  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_q4_1(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_q4_1(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_q4_1(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_q4_1(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_q4_1(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_q5_0(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_q5_0(raw[r], x0)
-        return
-    nb = x.shape[1] // 32
-    kt = nb if x.shape[1] <= _UNTILED_K else 16  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_q5_0(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_q5_0(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_q5_0(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_q5_0(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_q5_0(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_q5_1(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_q5_1(raw[r], x0)
-        return
-    nb = x.shape[1] // 32
-    kt = nb if x.shape[1] <= _UNTILED_K else 16  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_q5_1(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_q5_1(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_q5_1(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_q5_1(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_q5_1(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_q4_k(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_q4_k(raw[r], x0)
-        return
-    nb = x.shape[1] // 256
-    kt = nb if x.shape[1] <= _UNTILED_K else 2  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_q4_k(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_q4_k(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_q4_k(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_q4_k(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_q4_k(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_q5_k(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_q5_k(raw[r], x0)
-        return
-    nb = x.shape[1] // 256
-    kt = nb if x.shape[1] <= _UNTILED_K else 2  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_q5_k(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_q5_k(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_q5_k(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_q5_k(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_q5_k(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_q6_k(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_q6_k(raw[r], x0)
-        return
-    nb = x.shape[1] // 256
-    kt = nb if x.shape[1] <= _UNTILED_K else 2  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_q6_k(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_q6_k(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_q6_k(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_q6_k(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_q6_k(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_f16(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_f16(raw[r], x0)
-        return
-    nb = x.shape[1] // 16
-    kt = nb if x.shape[1] <= _UNTILED_K else 32  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_f16(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_f16(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_f16(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_f16(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_f16(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_bf16(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_bf16(raw[r], x0)
-        return
-    nb = x.shape[1] // 16
-    kt = nb if x.shape[1] <= _UNTILED_K else 32  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_bf16(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_bf16(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_bf16(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_bf16(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_bf16(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_q2_k(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_q2_k(raw[r], x0)
-        return
-    nb = x.shape[1] // 256
-    kt = nb if x.shape[1] <= _UNTILED_K else 2  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_q2_k(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_q2_k(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_q2_k(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_q2_k(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_q2_k(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_q3_k(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_q3_k(raw[r], x0)
-        return
-    nb = x.shape[1] // 256
-    kt = nb if x.shape[1] <= _UNTILED_K else 2  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_q3_k(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_q3_k(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_q3_k(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_q3_k(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_q3_k(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_iq4_nl(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_iq4_nl(raw[r], x0)
-        return
-    nb = x.shape[1] // 32
-    kt = nb if x.shape[1] <= _UNTILED_K else 16  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_iq4_nl(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_iq4_nl(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_iq4_nl(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_iq4_nl(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_iq4_nl(raw[rows[i]], out[i])
-
-
-@njit(nogil=True, cache=True)
-def _rows_iq4_xs(raw, x, y, r0, r1, yoff):
-    T = x.shape[0]
-    if T == 1:
-        x0 = x[0]
-        for r in range(r0, r1):
-            y[0, r - yoff] = _dot_iq4_xs(raw[r], x0)
-        return
-    nb = x.shape[1] // 256
-    kt = nb if x.shape[1] <= _UNTILED_K else 2  # K tiles of 512 values
-    acc = np.empty((_ROW_GROUP, 4 * ACC_VALUES), np.float32)
-    for g0 in range(r0, r1, _ROW_GROUP):
-        g1 = min(r1, g0 + _ROW_GROUP)
-        t = 0
-        while t < T:
-            n = 4 if T - t >= 4 else (2 if T - t >= 2 else 1)
-            for b0 in range(0, nb, kt):
-                b1 = min(nb, b0 + kt)
-                for r in range(g0, g1):
-                    c = r - yoff
-                    if n == 4:
-                        s0, s1, s2, s3 = _part4_iq4_xs(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c], y[t + 2, c], y[t + 3, c] = s0, s1, s2, s3
-                    elif n == 2:
-                        s0, s1 = _part2_iq4_xs(raw[r], x, t, b0, b1, acc[r - g0])
-                        if b1 == nb:
-                            y[t, c], y[t + 1, c] = s0, s1
-                    else:
-                        s0 = _part1_iq4_xs(raw[r], x, t, b0, b1, acc[r - g0])[0]
-                        if b1 == nb:
-                            y[t, c] = s0
-            t += n
-
-
-@njit(nogil=True, cache=True)
-def _dq_iq4_xs(raw, rows, out):
-    for i in range(out.shape[0]):
-        _deq_iq4_xs(raw[rows[i]], out[i])
+        DEQ(raw[rows[i]], out[i])  # noqa: F821
 
 
 # The pool runs a job's rows through a C function pointer: a job descriptor carries the address
@@ -1008,98 +402,38 @@ def _dq_iq4_xs(raw, rows, out):
 # `warm_up` for the types a model uses. The pool's own code is then the same for every type and
 # compiles once, without any type's block decoder in it; dispatching on a type code instead would
 # compile every type's kernels into it (and into each function that calls it), whichever types a
-# model has. Each is `_rows_<type>` over arrays made from the job's addresses (see `_compute`).
-
-# (the signature, `pool.COMPUTE_SIG`: 11 int64s, raw_addr, n_rows, row_bytes, x_addr, T, K,
-# out_addr, out_cols, out_off, r0, r1)
-
-
-def _compute_q8_0(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_q8_0(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+# model has. Each is `_rows_<type>` over arrays made from the job's addresses (the signature,
+# `pool.COMPUTE_SIG`: 11 int64s, raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols,
+# out_off, r0, r1).
+def _compute_template(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
+    ROWS(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),  # noqa: F821
+         carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
 
 
-def _compute_q4_0(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_q4_0(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
+def _make_kernels():
+    """Every declared type's kernels, as module-level functions of their own names:
+    ({type: (rows, dequantize rows)}, {type: compute function (Python, made a cfunc on use)})."""
+    kernels, computes = {}, {}
+    namespace = globals()
+    for ggml_type, (decoder, values, nbytes) in _DECODERS.items():
+        stem = ggml_type.name.lower()
+        names = {"DOT": f"_dot_{stem}", "DEQ": f"_deq_{stem}", "VALUES": f"_values_{stem}", "TILE": f"_tile_{stem}"}
+        namespace[names["DOT"]] = make_row_dot(decoder, values, nbytes)
+        namespace[names["DEQ"]] = make_row_dequantize(decoder, values, nbytes)
+        for n in (4, 2, 1):
+            names[f"PART{n}"] = f"_part{n}_{stem}"
+            namespace[names[f"PART{n}"]] = make_rows_dot_part(decoder, values, nbytes, n)
+        namespace[names["VALUES"]], namespace[names["TILE"]] = values, max(1, _TILE_VALUES // values)
+        rows = njit(nogil=True, cache=True)(kernel_copy(_row_loop_template, namespace, f"_rows_{stem}", names))
+        dq = njit(nogil=True, cache=True)(kernel_copy(_dequantize_template, namespace, f"_dq_{stem}", names))
+        namespace[rows.__name__], namespace[dq.__name__] = rows, dq
+        kernels[ggml_type] = (rows, dq)
+        computes[ggml_type] = kernel_copy(_compute_template, namespace, f"_compute_{stem}", {"ROWS": rows.__name__})
+    return kernels, computes
 
 
-def _compute_q4_1(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_q4_1(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-def _compute_q5_0(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_q5_0(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-def _compute_q5_1(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_q5_1(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-def _compute_q4_k(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_q4_k(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-def _compute_q5_k(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_q5_k(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-def _compute_q6_k(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_q6_k(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-def _compute_f16(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_f16(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-def _compute_bf16(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_bf16(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-def _compute_q2_k(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_q2_k(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-def _compute_q3_k(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_q3_k(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-def _compute_iq4_nl(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_iq4_nl(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-def _compute_iq4_xs(raw_addr, n_rows, row_bytes, x_addr, T, K, out_addr, out_cols, out_off, r0, r1):
-    _rows_iq4_xs(carray(u8_pointer(raw_addr), (n_rows, row_bytes)), carray(f32_pointer(x_addr), (T, K)),
-              carray(f32_pointer(out_addr), (T, out_cols)), r0, r1, out_off)
-
-
-_COMPUTE_PY = {
-    QT.Q8_0: _compute_q8_0,
-    QT.Q4_0: _compute_q4_0,
-    QT.Q4_1: _compute_q4_1,
-    QT.Q5_0: _compute_q5_0,
-    QT.Q5_1: _compute_q5_1,
-    QT.Q4_K: _compute_q4_k,
-    QT.Q5_K: _compute_q5_k,
-    QT.Q6_K: _compute_q6_k,
-    QT.F16: _compute_f16,
-    QT.BF16: _compute_bf16,
-    QT.Q2_K: _compute_q2_k,
-    QT.Q3_K: _compute_q3_k,
-    QT.IQ4_NL: _compute_iq4_nl,
-    QT.IQ4_XS: _compute_iq4_xs,
-}
+_KERNELS, _COMPUTE_PY = _make_kernels()
+TYPES = frozenset(_KERNELS)
 _compute_cfuncs: dict = {}  # ggml type -> its compiled cfunc (made by `_compute_address`)
 _compute_lock = threading.Lock()
 
@@ -1121,23 +455,6 @@ def _compute_address(ggml_type: QT) -> int:
 # Public API
 # ---------------------------------------------------------------------------------------------
 
-_KERNELS = {
-    QT.Q8_0: (_rows_q8_0, _dq_q8_0),
-    QT.Q4_0: (_rows_q4_0, _dq_q4_0),
-    QT.Q4_1: (_rows_q4_1, _dq_q4_1),
-    QT.Q5_0: (_rows_q5_0, _dq_q5_0),
-    QT.Q5_1: (_rows_q5_1, _dq_q5_1),
-    QT.Q4_K: (_rows_q4_k, _dq_q4_k),
-    QT.Q5_K: (_rows_q5_k, _dq_q5_k),
-    QT.Q6_K: (_rows_q6_k, _dq_q6_k),
-    QT.F16: (_rows_f16, _dq_f16),
-    QT.BF16: (_rows_bf16, _dq_bf16),
-    QT.Q2_K: (_rows_q2_k, _dq_q2_k),
-    QT.Q3_K: (_rows_q3_k, _dq_q3_k),
-    QT.IQ4_NL: (_rows_iq4_nl, _dq_iq4_nl),
-    QT.IQ4_XS: (_rows_iq4_xs, _dq_iq4_xs),
-}
-TYPES = frozenset(_KERNELS)
 
 
 def block_shape(ggml_type: QT) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from types import FunctionType
 
 from llvmlite import ir
 from numba import types
@@ -468,6 +469,18 @@ def decode_f16(v, blk):
 
 # little-endian float16 rows (1-D uint8, 2 bytes per value) -> float32, 16 values at a time
 dequantize_f16_row = make_row_dequantize(decode_f16, 16, 32)
+
+
+def kernel_copy(template, namespace: dict, name: str, renames: dict):
+    """`template` as the function `name` of the module whose globals are `namespace` (and stored
+    there), the global names its code reads renamed by `renames`: the same bytecode under its own
+    qualified name, which numba's disk cache files each kernel by. How the kernel modules make one
+    kernel per weight type (or type and instruction set) from one written function."""
+    code = template.__code__
+    code = code.replace(co_name=name, co_qualname=name, co_names=tuple(renames.get(n, n) for n in code.co_names))
+    fn = FunctionType(code, namespace, name)
+    namespace[name] = fn
+    return fn
 
 
 # ---------------------------------------------------------------------------------------------
