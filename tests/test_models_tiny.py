@@ -129,12 +129,13 @@ def test_weight_store_reads_block_types_row_by_row(tmp_path, qtype):
 def test_compiled_rms_norm_is_the_numpy_expression_bit_for_bit(dim):
     """rms_norm runs float32 rows through one compiled call that reproduces numpy's pairwise sum;
     it must equal the numpy expression exactly (the numpy path serves other dtypes and layouts),
-    for one row (decode), many rows (prefill) and per-head norms (T, H, D)."""
+    for one row (decode), many rows (prefill, shared by two threads from NORM_SHARED_ROWS) and
+    per-head norms (T, H, D)."""
     from engine.kernels import norms
 
     rng = np.random.default_rng(dim)
     weight = rng.standard_normal(dim).astype(np.float32)
-    for shape in [(1, dim), (7, dim), (3, 4, dim)]:
+    for shape in [(1, dim), (7, dim), (3, 4, dim), (norms.NORM_SHARED_ROWS + 3, dim), (20, 8, dim)]:
         x = (rng.standard_normal(shape) * rng.uniform(0.01, 300)).astype(np.float32)
         ms = np.add.reduce(np.square(x), axis=-1, keepdims=True) / np.float32(dim)
         expected = x * (1.0 / np.sqrt(ms + np.float32(1e-6))) * weight
