@@ -38,6 +38,7 @@ import threading
 import time
 
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as QT
 from llvmlite import ir
 from numba import carray, cfunc, njit, types
@@ -81,46 +82,46 @@ def _prefetch(builder, gb, nbytes):
 
 
 class IntType:
-    """One weight type's integer form: its GGUF block (values, bytes); the header fields of a
-    block, (offset, size) each, repacked as 16 rows' copies side by side (float16 scales, 6-bit
+    """One weight type's integer form: its GGUF block (values, bytes, as gguf's GGML_QUANT_SIZES
+    declares it); the header fields of a block, (offset, size) each, repacked as 16 rows' copies side by side (float16 scales, 6-bit
     scale bytes); where its code bytes start and how many 4-byte code vectors a block has; the
     code kind ("nibbles" 0..15, "bytes" int8, or a k-quant "q3_k" / "q4_k" / "q5_k" / "q6_k") and the offset
     subtracted from each code."""
 
-    def __init__(self, ggml_type, values, nbytes, fields, codes_at, code_words, kind, offset=0, has_min=None):
+    def __init__(self, ggml_type, fields, codes_at, code_words, kind, offset=0, has_min=None):
         self.ggml_type = ggml_type
-        self.values, self.nbytes = values, nbytes
+        self.values, self.nbytes = GGML_QUANT_SIZES[ggml_type]  # the GGUF block, as gguf declares it
         self.fields = fields
         self.codes_at, self.code_words, self.kind, self.offset = codes_at, code_words, kind, offset
         self.has_min = (kind == "nibbles" and len(fields) == 2) if has_min is None else has_min
         self.header = sum(GROUP * size for _, size in fields)
-        self.group_block = GROUP * nbytes
+        self.group_block = GROUP * self.nbytes
         assert self.header + 64 * code_words == self.group_block
         # where field i starts in a repacked group block
         self.field_at = [sum(GROUP * size for _, size in fields[:i]) for i in range(len(fields))]
 
 
 INT_TYPES = {
-    QT.Q4_0: IntType(QT.Q4_0, 32, 18, ((0, 2),), 2, 4, "nibbles", 8),
-    QT.Q4_1: IntType(QT.Q4_1, 32, 20, ((0, 2), (2, 2)), 4, 4, "nibbles"),
-    QT.Q8_0: IntType(QT.Q8_0, 32, 34, ((0, 2),), 2, 8, "bytes"),
+    QT.Q4_0: IntType(QT.Q4_0, ((0, 2),), 2, 4, "nibbles", 8),
+    QT.Q4_1: IntType(QT.Q4_1, ((0, 2), (2, 2)), 4, 4, "nibbles"),
+    QT.Q8_0: IntType(QT.Q8_0, ((0, 2),), 2, 8, "bytes"),
     # Q5_0 / Q5_1: d [, m] (float16), qh (the 32 fifth bits, repacked in QH5_ORDER), 16 nibble bytes
-    QT.Q5_0: IntType(QT.Q5_0, 32, 22, ((0, 2), (2, 4)), 6, 4, "q5", 16, has_min=False),
-    QT.Q5_1: IntType(QT.Q5_1, 32, 24, ((0, 2), (2, 2), (4, 4)), 8, 4, "q5", has_min=True),
+    QT.Q5_0: IntType(QT.Q5_0, ((0, 2), (2, 4)), 6, 4, "q5", 16, has_min=False),
+    QT.Q5_1: IntType(QT.Q5_1, ((0, 2), (2, 2), (4, 4)), 8, 4, "q5", has_min=True),
     # Q4_K: d, dmin (float16), 12 bytes of 6-bit sub-block scales and minima, 128 nibble bytes
     # (byte 32c + l: low nibble value 64c + l, high nibble 64c + 32 + l)
-    QT.Q4_K: IntType(QT.Q4_K, 256, 144, ((0, 2), (2, 2)) + tuple((4 + i, 1) for i in range(12)), 16, 32, "q4_k"),
+    QT.Q4_K: IntType(QT.Q4_K, ((0, 2), (2, 2)) + tuple((4 + i, 1) for i in range(12)), 16, 32, "q4_k"),
     # Q5_K: Q4_K's header, then qh[32] (byte l: bit 2c + h is the fifth bit of value 64c + 32h + l)
     # and the 128 nibble bytes: the codes are 40 words, 8 of qh (word j: qh bytes 4j..4j + 3, the
     # fifth bits of nibble word 8c + j for every c) then Q4_K's 32 nibble words
-    QT.Q5_K: IntType(QT.Q5_K, 256, 176, ((0, 2), (2, 2)) + tuple((4 + i, 1) for i in range(12)), 16, 40, "q5_k"),
+    QT.Q5_K: IntType(QT.Q5_K, ((0, 2), (2, 2)) + tuple((4 + i, 1) for i in range(12)), 16, 40, "q5_k"),
     # Q6_K: ql[128] low nibbles, qh[64] high 2-bit pairs (the codes, 48 words), 16 int8 scales of
     # 16 values each, d (float16)
-    QT.Q6_K: IntType(QT.Q6_K, 256, 210, ((208, 2),) + tuple((192 + i, 1) for i in range(16)), 0, 48, "q6_k"),
+    QT.Q6_K: IntType(QT.Q6_K, ((208, 2),) + tuple((192 + i, 1) for i in range(16)), 0, 48, "q6_k"),
     # Q3_K: hmask[32] (byte l: bit 4n + j is the high bit of value 128n + 32j + l), qs[64] (byte
     # 32n + l: bits 2j, 2j + 1 the low bits of that value) -- the codes, 24 words: hmask's 8, then
     # qs' 16 --, 12 bytes of 6-bit scales of 16 values (ggml's packing, offset 32), d (float16)
-    QT.Q3_K: IntType(QT.Q3_K, 256, 110, ((108, 2),) + tuple((96 + i, 1) for i in range(12)), 0, 24, "q3_k"),
+    QT.Q3_K: IntType(QT.Q3_K, ((108, 2),) + tuple((96 + i, 1) for i in range(12)), 0, 24, "q3_k"),
 }
 
 

@@ -71,6 +71,7 @@ import threading
 import time
 
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as QT
 from numba import carray, cfunc, njit
 
@@ -314,24 +315,28 @@ def _dec_bf16(v, blk):
     return [v.b.bitcast(v.shl(h, 16), vector_type(F32, LANES))]
 
 
-# The one declaration of each type the float kernels read: ggml type -> (decoder, values per
-# block, bytes per block); its kernels are made from it (`_make_kernels`).
-_DECODERS = {
-    QT.Q8_0: (_dec_q8_0, 32, 34),
-    QT.Q4_0: (_dec_q4_0, 32, 18),
-    QT.Q4_1: (_dec_q4_1, 32, 20),
-    QT.Q5_0: (_dec_q5_0, 32, 22),
-    QT.Q5_1: (_dec_q5_1, 32, 24),
-    QT.Q4_K: (_dec_q4_k, 256, 144),
-    QT.Q5_K: (_dec_q5_k, 256, 176),
-    QT.Q6_K: (_dec_q6_k, 256, 210),
-    QT.F16: (decode_f16, 16, 32),
-    QT.BF16: (_dec_bf16, 16, 32),
-    QT.Q2_K: (_dec_q2_k, 256, 84),
-    QT.Q3_K: (_dec_q3_k, 256, 110),
-    QT.IQ4_NL: (_dec_iq4_nl, 32, 18),
-    QT.IQ4_XS: (_dec_iq4_xs, 256, 136),
+# The one declaration of each type the float kernels read: its block decoder. Its kernels are made
+# from it (`_make_kernels`) with the block's values and bytes as gguf declares them
+# (GGML_QUANT_SIZES); F16 and BF16 are decoded 16 values (32 bytes) at a time.
+_BLOCK_DECODERS = {
+    QT.Q8_0: _dec_q8_0,
+    QT.Q4_0: _dec_q4_0,
+    QT.Q4_1: _dec_q4_1,
+    QT.Q5_0: _dec_q5_0,
+    QT.Q5_1: _dec_q5_1,
+    QT.Q4_K: _dec_q4_k,
+    QT.Q5_K: _dec_q5_k,
+    QT.Q6_K: _dec_q6_k,
+    QT.F16: decode_f16,
+    QT.BF16: _dec_bf16,
+    QT.Q2_K: _dec_q2_k,
+    QT.Q3_K: _dec_q3_k,
+    QT.IQ4_NL: _dec_iq4_nl,
+    QT.IQ4_XS: _dec_iq4_xs,
 }
+# ggml type -> (decoder, values per block, bytes per block)
+_DECODERS = {t: (dec, *((16, 32) if t in (QT.F16, QT.BF16) else GGML_QUANT_SIZES[t]))
+             for t, dec in _BLOCK_DECODERS.items()}
 
 
 # ---------------------------------------------------------------------------------------------
