@@ -571,9 +571,10 @@ def test_softmax_of_scores_that_are_not_numbers_raises_nothing(value):
     "Exception ignored" from the worker thread); real scores keep their exact result."""
     from engine.kernels.kv_codes import _softmax_in_place
 
+    lanes = np.empty(16, np.float32)  # (the maximum's scratch)
     x = np.full(4, value, np.float32)
-    _softmax_in_place(x, np.float32(1.0))  # no exception; the values do not matter
+    _softmax_in_place(x, np.float32(1.0), lanes)  # no exception; the values do not matter
     real = np.array([0.5, -1.0, 2.0], np.float32)
-    _softmax_in_place(real, np.float32(1.0))
+    _softmax_in_place(real, np.float32(1.0), lanes)
     want = np.exp(np.array([0.5, -1.0, 2.0]) - 2.0)
     np.testing.assert_allclose(real, want / want.sum(), rtol=1e-6)

@@ -530,12 +530,13 @@ def _exp_le0(x):
 
 
 @njit(cache=True, inline="always", fastmath=_FAST)
-def _max_f32(x):
+def _max_f32(x, lanes):
     """max of x (n >= 1,) float32, in 16 independent lanes: a running max is a chain of dependent
     compares that does not vectorize (fastmath here does not assume "no NaN", which LLVM needs to
-    reorder a max reduction), four times the cost of the exponentials after it."""
+    reorder a max reduction), four times the cost of the exponentials after it. lanes: (16,)
+    float32 scratch, the caller's (allocated per row it cost ~40% of a prefill's softmax)."""
     n = x.shape[0]
-    lanes = np.full(16, -np.inf, np.float32)
+    lanes[:] = -np.inf
     n16 = n - n % 16
     for c in range(0, n16, 16):
         for i in range(16):
@@ -550,10 +551,11 @@ def _max_f32(x):
 
 
 @njit(cache=True, inline="always", fastmath=_FAST)
-def _softmax_in_place(x, scale):
+def _softmax_in_place(x, scale, lanes):
     """x (n >= 1,) float32 scores -> softmax(scale * x), in place, in float32 throughout (a
-    float64 maximum would turn the exponentials' loop into float64 arithmetic, twice as slow)."""
-    top = _max_f32(x) * scale
+    float64 maximum would turn the exponentials' loop into float64 arithmetic, twice as slow).
+    lanes: `_max_f32`'s scratch."""
+    top = _max_f32(x, lanes) * scale
     total = np.float32(0.0)
     for c in range(x.shape[0]):
         e = _exp_le0(x[c] * scale - top)
@@ -1063,9 +1065,10 @@ def _softmax_and_full_precision(q, scale, sink_k, sink_v, sink0, n_sink_old, rec
                 for d in range(D):
                     acc += qg[d] * rk[d]
                 s[h, g, L_old + t] = acc
+    lanes = np.empty(16, np.float32)
     for h in range(h0, h1):  # masked softmax over the visible columns first_visible .. L-1
         for g in range(G):
-            _softmax_in_place(s[h, g, first_visible:L], scale)
+            _softmax_in_place(s[h, g, first_visible:L], scale, lanes)
             for c in range(first_visible):
                 s[h, g, c] = 0.0
     if mass.shape[0]:
@@ -1364,12 +1367,13 @@ def masked_softmax(s, lo, hi, scale):
     rest of the row 0, where t = m % len(lo) (rows are (query head in the group, token) pairs,
     token fastest). s (Hkv, M, L) float32; lo, hi (T,) int64 with lo < hi <= L."""
     T = lo.shape[0]
+    lanes = np.empty(16, np.float32)
     for h in range(s.shape[0]):
         for m in range(s.shape[1]):
             t = m % T
             row = s[h, m]
             a, b = lo[t], hi[t]
-            _softmax_in_place(row[a:b], scale)
+            _softmax_in_place(row[a:b], scale, lanes)
             row[:a] = 0.0
             row[b:] = 0.0
 
