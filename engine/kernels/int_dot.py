@@ -341,6 +341,16 @@ def _isum(v, q):
     return b.extract_element(q, ir.Constant(I32, 0))
 
 
+def _block_pointers(context, builder, signature, args, out_bytes):
+    """(x + k0 floats, out + out_bytes * k0 bytes) as i8* for an intrinsic (x, k0, out)."""
+    v = VectorIR(builder)
+    k0 = args[1]
+    x_at = builder.mul(k0, v.ci(4, None, k0.type))
+    out_at = builder.mul(k0, v.ci(out_bytes, None, k0.type))
+    return (v.gep(data_pointer(context, builder, signature.args[0], args[0]), x_at),
+            v.gep(data_pointer(context, builder, signature.args[2], args[2]), out_at))
+
+
 def _block_result(context, builder, s, sums):
     return context.make_tuple(builder, types.Tuple((types.float32,) + (types.int32,) * len(sums)), [s] + list(sums))
 
@@ -353,8 +363,7 @@ def _split_block(typingctx, x, k0, halves):
 
     def codegen(context, builder, signature, args):
         v = VectorIR(builder)
-        xp = v.gep(data_pointer(context, builder, signature.args[0], args[0]), builder.mul(args[1], v.ci(4, None, args[1].type)))
-        hp = v.gep(data_pointer(context, builder, signature.args[2], args[2]), builder.mul(args[1], v.ci(2, None, args[1].type)))
+        xp, hp = _block_pointers(context, builder, signature, args, 2)
         s, q_lo, q_hi = _block_codes(v, xp, 32767)
         bt = vector_type(I8, 16)
         high = []
@@ -376,8 +385,7 @@ def _int8_block(typingctx, x, k0, codes):
 
     def codegen(context, builder, signature, args):
         v = VectorIR(builder)
-        xp = v.gep(data_pointer(context, builder, signature.args[0], args[0]), builder.mul(args[1], v.ci(4, None, args[1].type)))
-        cp = v.gep(data_pointer(context, builder, signature.args[2], args[2]), args[1])
+        xp, cp = _block_pointers(context, builder, signature, args, 1)
         s, q_lo, q_hi = _block_codes(v, xp, 127)
         bt = vector_type(I8, 16)
         v.store(builder.trunc(q_lo, bt), cp, 0, align=1)

@@ -83,10 +83,10 @@ def _prefetch(builder, gb, nbytes):
 
 class IntType:
     """One weight type's integer form: its GGUF block (values, bytes, as gguf's GGML_QUANT_SIZES
-    declares it); the header fields of a block, (offset, size) each, repacked as 16 rows' copies side by side (float16 scales, 6-bit
-    scale bytes); where its code bytes start and how many 4-byte code vectors a block has; the
-    code kind ("nibbles" 0..15, "bytes" int8, or a k-quant "q3_k" / "q4_k" / "q5_k" / "q6_k") and the offset
-    subtracted from each code."""
+    declares it); the header fields of a block, (offset, size) each, repacked as 16 rows' copies
+    side by side (float16 scales, 6-bit scale bytes); where its code bytes start and how many
+    4-byte code vectors a block has; the code kind ("nibbles" 0..15, "bytes" int8, or a k-quant
+    "q3_k" / "q4_k" / "q5_k" / "q6_k") and the offset subtracted from each code."""
 
     def __init__(self, ggml_type, fields, codes_at, code_words, kind, offset=0, has_min=None):
         self.ggml_type = ggml_type
