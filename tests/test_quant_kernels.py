@@ -431,8 +431,9 @@ def test_float16_conversion_without_f16c(monkeypatch):
     from engine.kernels import vector_ir
 
     monkeypatch.setattr(vector_ir, "_F16C", False)
-    deq_f16 = vector_ir.make_row_dequantize(*qm._DECODERS[QT.F16])  # vector conversion (F16 weights)
-    deq_q4_1 = vector_ir.make_row_dequantize(*qm._DECODERS[QT.Q4_1])  # scalar conversion (block scales)
+    # vector conversion (F16 weights), scalar conversion (block scales)
+    deq_f16 = vector_ir.make_row_dequantize(qm._DECODERS[QT.F16], *qm.block_shape(QT.F16))
+    deq_q4_1 = vector_ir.make_row_dequantize(qm._DECODERS[QT.Q4_1], *qm.block_shape(QT.Q4_1))
 
     @njit
     def run_f16(raw, out):
@@ -476,7 +477,7 @@ def test_code_book_lookup_on_every_target(monkeypatch, lookup):
         pytest.skip(f"{lookup} is not an instruction of this CPU")
     monkeypatch.setattr(vector_ir, "_BYTE_TABLE_LOOKUP", lookup)
     for qtype in (QT.IQ4_NL, QT.IQ4_XS):
-        deq = vector_ir.make_row_dequantize(*qm._DECODERS[qtype])
+        deq = vector_ir.make_row_dequantize(qm._DECODERS[qtype], *qm.block_shape(qtype))
 
         @njit
         def run(raw, out):

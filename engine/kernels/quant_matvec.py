@@ -317,8 +317,8 @@ def _dec_bf16(v, blk):
 
 # The one declaration of each type the float kernels read: its block decoder. Its kernels are made
 # from it (`_make_kernels`) with the block's values and bytes as gguf declares them
-# (GGML_QUANT_SIZES); F16 and BF16 are decoded 16 values (32 bytes) at a time.
-_BLOCK_DECODERS = {
+# (GGML_QUANT_SIZES, `block_shape`); F16 and BF16 are decoded 16 values (32 bytes) at a time.
+_DECODERS = {
     QT.Q8_0: _dec_q8_0,
     QT.Q4_0: _dec_q4_0,
     QT.Q4_1: _dec_q4_1,
@@ -334,9 +334,11 @@ _BLOCK_DECODERS = {
     QT.IQ4_NL: _dec_iq4_nl,
     QT.IQ4_XS: _dec_iq4_xs,
 }
-# ggml type -> (decoder, values per block, bytes per block)
-_DECODERS = {t: (dec, *((16, 32) if t in (QT.F16, QT.BF16) else GGML_QUANT_SIZES[t]))
-             for t, dec in _BLOCK_DECODERS.items()}
+
+
+def block_shape(ggml_type: QT) -> tuple[int, int]:
+    """(values, bytes) of the unit the kernels decode (a GGUF block; 16 values for F16/BF16)."""
+    return (16, 32) if ggml_type in (QT.F16, QT.BF16) else GGML_QUANT_SIZES[ggml_type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,7 +422,8 @@ def _make_kernels():
     ({type: (rows, dequantize rows)}, {type: compute function (Python, made a cfunc on use)})."""
     kernels, computes = {}, {}
     namespace = globals()
-    for ggml_type, (decoder, values, nbytes) in _DECODERS.items():
+    for ggml_type, decoder in _DECODERS.items():
+        values, nbytes = block_shape(ggml_type)
         stem = ggml_type.name.lower()
         names = {"DOT": f"_dot_{stem}", "DEQ": f"_deq_{stem}", "VALUES": f"_values_{stem}", "TILE": f"_tile_{stem}"}
         namespace[names["DOT"]] = make_row_dot(decoder, values, nbytes)
@@ -462,15 +465,9 @@ def _compute_address(ggml_type: QT) -> int:
 
 
 
-def block_shape(ggml_type: QT) -> tuple[int, int]:
-    """(values, bytes) of the unit the kernels decode (a GGUF block; 16 values for F16/BF16)."""
-    _, bs, ts = _DECODERS[ggml_type]
-    return bs, ts
-
-
 def supports(ggml_type: QT, in_features: int) -> bool:
     """Whether the kernels read rows of `in_features` values of this type."""
-    return ggml_type in _KERNELS and in_features % _DECODERS[ggml_type][1] == 0
+    return ggml_type in _KERNELS and in_features % block_shape(ggml_type)[0] == 0
 
 
 def _check(ggml_type: QT, raw: np.ndarray, n_values: int) -> None:
