@@ -33,7 +33,7 @@ from gguf.quants import dequantize
 
 from .gguf_file import GGUFError, GGUFFile, UnsupportedTensorType
 from .kernels import HAVE_NUMBA
-from .kernels.helper import helper_thread, share
+from .kernels.helper import helper_thread, share_rows
 
 
 def _gguf_can_dequantize(ggml_type: GGMLQuantizationType) -> bool:
@@ -331,8 +331,7 @@ def quantize_input(x: np.ndarray, form: str) -> np.ndarray:
     if T < PARALLEL_QUANTIZE_ROWS:
         return int_dot.quantize_form(x, form)
     out = np.empty((T, int_dot.form_words(form, x.shape[1])), np.float32)
-    half = T // 2
-    share(int_dot.quantize_form, [(x[:half], form, out[:half]), (x[half:], form, out[half:])])
+    share_rows(lambda r0, r1: int_dot.quantize_form(x[r0:r1], form, out[r0:r1]), T, -(-T // 2))
     return out
 
 

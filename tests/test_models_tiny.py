@@ -154,17 +154,21 @@ def test_rope_kernel_is_the_numpy_rotation_bit_for_bit(neox, head_dim):
     """Every rotation of float32 rows (a decode token, a verify pass, a prefill shared between
     two threads) is one compiled kernel; it must equal the numpy expressions exactly, or a
     token rotated alone would differ from the same token in a batch."""
-    from engine.kernels.norms import ROPE_SHARED_ROWS, apply_rope
+    from engine.kernels.norms import ROPE_SHARED_ROWS, apply_rope, rope_numpy
     from engine.models.base import rope_tables
 
     rng = np.random.default_rng(2)
     n = ROPE_SHARED_ROWS + 37
     x = (rng.standard_normal((n, 9, head_dim)) * 4).astype(np.float32)
     cos, sin = rope_tables(np.arange(4321, 4321 + n), head_dim, 10000.0)
-    strided = x.transpose(1, 0, 2).copy().transpose(1, 0, 2)  # x's values, not C-contiguous
-    by_numpy = apply_rope(strided, cos, sin, neox)  # (the numpy expressions: the kernel takes C order only)
+    by_numpy = rope_numpy(x, cos, sin, neox)
     for rows in (1, 3, ROPE_SHARED_ROWS - 1, ROPE_SHARED_ROWS, n):
         np.testing.assert_array_equal(apply_rope(x[:rows], cos[:rows], sin[:rows], neox), by_numpy[:rows])
+    strided = x.transpose(1, 0, 2).copy().transpose(1, 0, 2)  # x's values, not C-contiguous
+    np.testing.assert_array_equal(apply_rope(strided, cos, sin, neox), by_numpy)
+    # a partial rotation's channels (a strided view), as `Rope.rotate` passes them
+    np.testing.assert_array_equal(apply_rope(x[..., :32], *(t[:, :16] for t in (cos, sin)), neox),
+                                  rope_numpy(x[..., :32], cos[:, :16], sin[:, :16], neox))
     half = x.shape[-1] // 2
     a, b = (x[..., :half], x[..., half:]) if neox else (x[..., 0::2], x[..., 1::2])
     c, s = cos[:, None, :], sin[:, None, :]

@@ -68,6 +68,13 @@ def share(fn: Callable, tasks: Sequence[tuple]) -> list:
     return results
 
 
+def share_rows(fn: Callable[[int, int], object], n_rows: int, step: int) -> list:
+    """fn(r0, r1) for the ranges of `step` rows that cover 0..n_rows, shared as `share` shares
+    tasks: how a long input's row-wise work (each row computed on its own, so the same bits in
+    any split) goes to both threads."""
+    return share(fn, [(r0, min(n_rows, r0 + step)) for r0 in range(0, n_rows, step)])
+
+
 def _blas_libraries() -> list:
     """threadpoolctl's controllers of the BLAS libraries loaded when first asked (numpy's: the
     one its matmul calls); [] without threadpoolctl."""

@@ -40,8 +40,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         if T < NORM_SHARED_ROWS:
             _rms_rows(rows, weight, eps, out)
         else:  # each row on its own: the same bits in halves
-            h = T // 2
-            helper.share(_rms_rows, [(rows[:h], weight, eps, out[:h]), (rows[h:], weight, eps, out[h:])])
+            helper.share_rows(lambda r0, r1: _rms_rows(rows[r0:r1], weight, eps, out[r0:r1]), T, -(-T // 2))
         return out.reshape(x.shape)
     ms = np.add.reduce(np.square(x), axis=-1, keepdims=True) / np.float32(x.shape[-1])
     return x * (1.0 / np.sqrt(ms + np.float32(eps))) * weight
@@ -87,21 +86,26 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> n
     neox=False: pairs are adjacent (x[2i], x[2i+1]) — llama in GGUF (converter permuted Q/K rows).
     neox=True:  pairs are halves (x[i], x[i + dim/2]) — gemma3, qwen2, ...
 
-    A C-contiguous float32 x takes one compiled call (`_rope_rows`; long inputs in two halves on
-    two threads), which computes the numpy expression below bit for bit."""
+    float32 x (any layout: a partial rotation passes the rotated channels as a strided view) takes
+    one compiled call (`_rope_rows`; long inputs in two halves on two threads), which computes
+    `rope_numpy` bit for bit; other dtypes take `rope_numpy`."""
     if (_rope_rows is not None and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 3
-            and x.flags.c_contiguous and cos.dtype == np.float32 and sin.dtype == np.float32
-            and cos.shape == sin.shape == (x.shape[0], x.shape[2] // 2) and cos.flags.c_contiguous
-            and sin.flags.c_contiguous):
+            and cos.dtype == np.float32 and sin.dtype == np.float32
+            and cos.shape == sin.shape == (x.shape[0], x.shape[2] // 2)):
+        x, cos, sin = np.ascontiguousarray(x), np.ascontiguousarray(cos), np.ascontiguousarray(sin)
         out = np.empty_like(x)
         T = x.shape[0]
         if T < ROPE_SHARED_ROWS:
             _rope_rows(x, cos, sin, neox, out)
         else:
-            h = T // 2
-            helper.share(_rope_rows, [(x[:h], cos[:h], sin[:h], neox, out[:h]),
-                                      (x[h:], cos[h:], sin[h:], neox, out[h:])])
+            helper.share_rows(lambda r0, r1: _rope_rows(x[r0:r1], cos[r0:r1], sin[r0:r1], neox, out[r0:r1]), T,
+                              -(-T // 2))
         return out
+    return rope_numpy(x, cos, sin, neox)
+
+
+def rope_numpy(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+    """apply_rope as numpy array expressions: the reference the compiled rotation reproduces."""
     c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, dim/2)
     if neox:
         half = x.shape[-1] // 2

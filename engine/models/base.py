@@ -46,8 +46,7 @@ def gated(activation, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     def piece(r0: int, r1: int) -> None:
         np.multiply(activation(gate[r0:r1]), up[r0:r1], out=out[r0:r1])
 
-    step = max(1, ACTIVATION_PIECE_VALUES // gate.shape[1])
-    helper.share(piece, [(r0, min(T, r0 + step)) for r0 in range(0, T, step)])
+    helper.share_rows(piece, T, max(1, ACTIVATION_PIECE_VALUES // gate.shape[1]))
     return out
 
 
