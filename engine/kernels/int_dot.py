@@ -312,15 +312,7 @@ def _block_codes(v, x_ptr, qmax):
     fabs = cgutils.get_or_insert_function(b.module, ir.FunctionType(ft, [ft]), "llvm.fabs.v16f32")
     m = b.call(fabs, [lo])
     m2 = b.call(fabs, [hi])
-    m = b.select(b.fcmp_ordered(">", m2, m), m2, m)
-    n = 16
-    while n > 1:  # the largest lane (max is exact in any order)
-        h = n // 2
-        a = b.shuffle_vector(m, m, v.civ(range(h)))
-        c = b.shuffle_vector(m, m, v.civ(range(h, n)))
-        m = b.select(b.fcmp_ordered(">", c, a), c, a)
-        n = h
-    amax = b.extract_element(m, ir.Constant(I32, 0))
+    amax = v.hmax(b.select(b.fcmp_ordered(">", m2, m), m2, m))
     s = b.fdiv(amax, ir.Constant(F32, float(qmax)))
     # a block of zeros divides by 1 instead of 0: its codes are 0 either way
     d = v.splat(b.select(b.fcmp_ordered(">", s, ir.Constant(F32, 0.0)), s, ir.Constant(F32, 1.0)))
@@ -329,16 +321,6 @@ def _block_codes(v, x_ptr, qmax):
     q_lo = b.fptosi(b.call(rint, [b.fdiv(lo, d)]), it)
     q_hi = b.fptosi(b.call(rint, [b.fdiv(hi, d)]), it)
     return s, q_lo, q_hi
-
-
-def _isum(v, q):
-    """The sum of an <n x i32>'s lanes."""
-    b, n = v.b, q.type.count
-    while n > 1:
-        h = n // 2
-        q = b.add(b.shuffle_vector(q, q, v.civ(range(h))), b.shuffle_vector(q, q, v.civ(range(h, n))))
-        n = h
-    return b.extract_element(q, ir.Constant(I32, 0))
 
 
 def _block_pointers(context, builder, signature, args, out_bytes):
@@ -372,7 +354,7 @@ def _split_block(typingctx, x, k0, halves):
             high.append(h)
             v.store(builder.trunc(h, bt), hp, 16 * i, align=1)
             v.store(builder.trunc(q, bt), hp, 32 + 16 * i, align=1)  # q - 256 h: q's low byte
-        return _block_result(context, builder, s, [_isum(v, q_lo), _isum(v, q_hi), _isum(v, builder.add(*high))])
+        return _block_result(context, builder, s, [v.isum(q_lo), v.isum(q_hi), v.isum(builder.add(*high))])
 
     return sig, codegen
 
@@ -390,7 +372,7 @@ def _int8_block(typingctx, x, k0, codes):
         bt = vector_type(I8, 16)
         v.store(builder.trunc(q_lo, bt), cp, 0, align=1)
         v.store(builder.trunc(q_hi, bt), cp, 16, align=1)
-        return _block_result(context, builder, s, [_isum(v, q_lo), _isum(v, q_hi)])
+        return _block_result(context, builder, s, [v.isum(q_lo), v.isum(q_hi)])
 
     return sig, codegen
 

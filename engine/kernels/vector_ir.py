@@ -245,16 +245,28 @@ class VectorIR:
     def hi16(self, v):
         return self.b.shuffle_vector(v, v, self.civ(range(16, 32)))
 
-    def hsum(self, v):
-        """Sum of the lanes of a float vector (pairwise tree)."""
+    def _lanes_tree(self, v, combine):
+        """combine(low half, high half) down to one lane (a pairwise tree over the lanes)."""
         n = v.type.count
         while n > 1:
             h = n // 2
             a = self.b.shuffle_vector(v, v, self.civ(range(h)))
             c = self.b.shuffle_vector(v, v, self.civ(range(h, n)))
-            v = self.b.fadd(a, c)
+            v = combine(a, c)
             n = h
         return self.b.extract_element(v, ir.Constant(I32, 0))
+
+    def hsum(self, v):
+        """Sum of the lanes of a float vector (pairwise tree)."""
+        return self._lanes_tree(v, self.b.fadd)
+
+    def isum(self, v):
+        """Sum of the lanes of an integer vector."""
+        return self._lanes_tree(v, self.b.add)
+
+    def hmax(self, v):
+        """The largest lane of a float vector (exact in any order; NaN lanes are passed over)."""
+        return self._lanes_tree(v, lambda a, c: self.b.select(self.b.fcmp_ordered(">", c, a), c, a))
 
     def transpose_sum(self, vecs):
         """16 <16 x float> -> one <16 x float> whose lane t is the sum of vecs[t]'s lanes: four
