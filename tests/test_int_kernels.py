@@ -217,6 +217,36 @@ def test_activation_quantizer_matches_its_emulation():
     assert np.all(q_ref[:, 96:128] == 0)
 
 
+def test_vector_quantizers_match_the_emulation_on_long_rows_and_edge_values():
+    """The split (16-bit) and fast (int8) quantizers read each 32-value block as vectors; their codes,
+    scales and sums must be the emulation's for every block: rows of 4,096 values of mixed scale,
+    a block of zeros, one of -0.0, a subnormal, an outlier, values tied for the maximum with
+    opposite signs, and halves that round to even."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((40, 4096)) * rng.exponential(2.0, (40, 1))).astype(np.float32)
+    x[2, 64:96] = 0.0
+    x[9, 0:32] = -0.0
+    x[11, 40] = 3e-39  # subnormal
+    x[7, 5] = -1e4  # an outlier: the rest of its block rounds to few codes
+    x[13, 32:64] = np.where(np.arange(32) % 2, 8.0, -8.0)  # the maximum, both signs
+    x[15, 64:96] = np.arange(32) * np.float32(0.5) / 31  # many codes at .5 boundaries
+    nb = 4096 // 32
+    for fast in (False, True):
+        q_ref, s_ref, Q_ref, sQ_ref = int_reference.quantize_activations(x, fast=fast)
+        if fast:
+            words, h = int_dot.quantize_activations_fast(x), 4096 // 4
+            codes = words[:, :h].view(np.int8).astype(np.int64)
+        else:
+            words, h = int_dot.quantize_activations_split(x), 4096 // 2
+            halves = words[:, :h].view(np.uint8).reshape(40, nb, 2, 32)
+            codes = (256 * halves[:, :, 0].view(np.int8).astype(np.int64) + halves[:, :, 1]).reshape(40, 4096)
+        assert np.array_equal(codes, q_ref), fast
+        assert np.array_equal(bits(words[:, h : h + nb]), bits(s_ref)), fast
+        assert np.array_equal(words[:, h + nb : h + 2 * nb].view(np.int32), Q_ref), fast
+        assert np.array_equal(bits(words[:, h + 2 * nb : h + 3 * nb]), bits(sQ_ref)), fast
+    assert np.all(q_ref[2, 64:96] == 0) and np.all(q_ref[9, :32] == 0) and np.abs(q_ref[13, 32:64]).min() == 127
+
+
 def test_split_activations_are_the_16_bit_codes_as_hi_and_lo_bytes():
     """The VNNI kernels' exact activations (`EXACT_FORM` "split"): q = 256 hi + lo per value,
     hi signed and lo unsigned bytes, with the pairs' scales and sums, the half sums and sum(hi)."""
