@@ -1241,11 +1241,9 @@ class IntMatvec:
         # the pool shares a job of at most BUF_VALUES outputs per chunk: a long prompt goes in
         # slices of rows of x (the kernels compute a row the same in any batch, so slicing changes
         # no bit), each a multiple of `multiple` rows
+        # (a decode step or a batch, one job, goes to run_rows straight from __call__)
         T = xw.shape[0]
         step = max(multiple, BUF_VALUES // self.chunk // multiple * multiple)
-        if T <= step:  # (a decode step, a batch: no slices to make)
-            run_rows(compute, self.packed, xw, out, self.chunk, self.chunk * self.packed.shape[1] * T)
-            return
         for t0 in range(0, T, step):
             t1 = min(t0 + step, T)
             run_rows(compute, self.packed, xw[t0:t1], out[t0:t1], self.chunk,
