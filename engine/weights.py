@@ -34,6 +34,7 @@ from gguf.quants import dequantize
 from .gguf_file import GGUFError, GGUFFile, UnsupportedTensorType
 from .kernels import HAVE_NUMBA
 from .kernels.helper import helper_thread, share_rows
+from .memory import HugePageArena
 
 
 def _gguf_can_dequantize(ggml_type: GGMLQuantizationType) -> bool:
@@ -417,10 +418,11 @@ class QuantLinear:
     REPACK_ROWS = 4096
 
     def __init__(self, raw: np.ndarray, ggml_type: GGMLQuantizationType, out_features: int, in_features: int,
-                 arith: str | None = None, release=None):
+                 arith: str | None = None, release=None, arena: HugePageArena | None = None):
         """arith: "int" (the integer kernels, `engine.kernels.int_matvec`, where this CPU and the
         type have them), "float" (the float kernels) or None: `weight_arith(ggml_type, ...)`.
-        release: called with each slice of `raw` once it is repacked (`GGUFFile.release`)."""
+        release: called with each slice of `raw` once it is repacked (`GGUFFile.release`).
+        arena: where the repacked copy goes (huge pages: decoding streams it once a token)."""
         from .kernels import quant_matvec
 
         self._k = quant_matvec
@@ -441,7 +443,7 @@ class QuantLinear:
             # makes those faster (int_dot.INT_MAX_ROWS). `raw` is not kept: the repacked copy
             # replaces it (the caller may drop the file's pages, see GGUFFile.release); the
             # tiles are dequantized from it, unpacked back to GGUF order
-            packed = np.empty(raw.shape, np.uint8)
+            packed = np.empty(raw.shape, np.uint8) if arena is None else arena.empty(raw.shape)
             for r0 in range(0, out_features, self.REPACK_ROWS):
                 part = raw[r0 : r0 + self.REPACK_ROWS]
                 packed[r0 : r0 + part.shape[0]] = int_matvec.repack(part, ggml_type)
@@ -605,6 +607,7 @@ class WeightStore:
         if backend == "quant" and not HAVE_NUMBA:
             backend = "dense"
         self.backend = backend
+        self.arena: HugePageArena | None = None  # set below when matrices take the integer kernels
         if backend == "quant":
             from .kernels import quant_matvec
 
@@ -622,6 +625,10 @@ class WeightStore:
                 from .kernels import int_dot, int_matvec
 
                 int_matvec.warm_up(on_int, int_dot.kernel_isa())
+                # the repacked matrices' home: one mapping in 2 MiB pages (HugePageArena)
+                int_matrices = [name for name in matrices if arith[name] == "int"]
+                self.arena = HugePageArena.for_bytes(sum(gguf.raw(name).nbytes for name in int_matrices),
+                                                     len(int_matrices))
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -664,7 +671,8 @@ class WeightStore:
         if info.ggml_type == GGMLQuantizationType.F32 or not quant_matvec.supports(info.ggml_type, shape[1]):
             return None
         # repacked for the integer kernels: the file's pages of this tensor leave the process's memory
-        lin = QuantLinear(self.gguf.raw(name), info.ggml_type, *shape, release=self.gguf.release)
+        lin = QuantLinear(self.gguf.raw(name), info.ggml_type, *shape, release=self.gguf.release,
+                          arena=self.arena)
         self.loaded_bytes += lin.nbytes
         return lin
 
