@@ -693,9 +693,9 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
     # a loop left them waiting on the dot products' latency (one row of Q4_K 80 -> 95 us).
     loop_subs = n >= 4
 
-    @intrinsic
-    def gdot(typingctx, raw, xw, y, g, t0, yoff):
-        sig = types.void(raw, xw, y, g, t0, yoff)
+    def gdot(typingctx, raw, xw, y, g, t0, yoff, code_tiles=None, decode=None):
+        sig = (types.void(raw, xw, y, g, t0, yoff) if code_tiles is None
+               else types.void(raw, xw, y, g, t0, yoff, code_tiles, decode))
 
         def codegen(context, builder, signature, args):
             v = VectorIR(builder)
@@ -734,17 +734,16 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                 ax = AmxIR(builder)
                 ax.configure({0: (GROUP, 64), 1: (GROUP, 64), 2: (GROUP, 64), 3: (GROUP, 64),
                               4: (GROUP, 32), 5: (GROUP, 32), 6: (8, 64), 7: (8, 64)})
-                # B: 1024 bytes, two tiles of 8 rows (one per activation word); per16, the first
-                # holds words 0..3 and zero rows, the second zero rows and words 4..7 (both halves'
-                # sums from one A tile), else the u8 codes, then (Q8_0, split) the s8 codes
-                b_buf = cgutils.alloca_once(builder, ir.ArrayType(I8, 1024))
+                # B: the group's code tiles (`amx_code_block` bytes per activation block), decoded
+                # once for every tile of x rows by `make_amx_code_tiles`, or (decode != 0: a few
+                # tiles of x rows) block by block here, between the float work of the blocks, into
+                # one slot at code_tiles (its zero rows written by the caller)
+                b_ptr = data_pointer(context, builder, signature.args[6], args[6])
+                decode_here = builder.icmp_signed("!=", context.cast(builder, args[7], signature.args[7], types.int64),
+                                                  c64(0))
                 c_buf = cgutils.alloca_once(builder, ir.ArrayType(I8, 4096))  # sum tiles 0..3, 1024 bytes each
-                b_buf.align = c_buf.align = 64
-                b_ptr, c_ptr = builder.bitcast(b_buf, I8.as_pointer()), builder.bitcast(c_buf, I8.as_pointer())
-                if per16:
-                    zero_b = ir.Constant(vi, [0] * lanes)
-                    for at in range(256, 768, 64):
-                        v.store(zero_b, b_ptr, at, align=64)
+                c_buf.align = 64
+                c_ptr = builder.bitcast(c_buf, I8.as_pointer())
                 x_stride = builder.mul(words, c64(4))  # bytes from one row of x to the next
 
             def part(index):  # byte offset of word `index` (i64) of an x row
@@ -783,28 +782,18 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
             def sum_tile(e, lo):  # the tile of part e (parity or 16-value half) and hi / lo (or fast)
                 return 2 * e + lo if split else e
 
-            def tile_sums(codes, xc0, parity):
-                """AMX: the block's sums for the 16 rows of x into c_buf (tile c at byte 1024 c, row
-                i at 64 i), `sum_tile(e, lo)`, e the 16-value half (per16) or the block's parity
-                (consecutive blocks alternate tiles, so that one block's dot products need not wait
-                for the previous block's sums to be stored). xc0: row 0's activation bytes of the
-                block (split: 32 hi then 32 lo bytes; fast: 32 codes)."""
-                for w_u8, *rest in codes:
-                    word = rest[-1]
-                    if t.kind == "bytes":  # Q8_0's codes as they are (the u8 form is c + 128)
-                        w = rest[0] if split else v.b.xor(w_u8, ir.Constant(vi, [0x80808080 - 2**32] * lanes))
-                    elif amx_offset:  # c - offset, byte by byte (signed)
-                        vb64 = vector_type(I8, 4 * lanes)
-                        w = v.b.bitcast(v.b.sub(v.b.bitcast(w_u8, vb64), ir.Constant(vb64, [amx_offset] * 4 * lanes)),
-                                        vi)
-                    else:
-                        w = w_u8
-                    v.store(w, b_ptr, 64 * word + (512 if per16 and word >= 4 else 0), align=64)
+            def tile_sums(a, xc0, parity):
+                """AMX: activation block a's sums for the 16 rows of x into c_buf (tile c at byte
+                1024 c, row i at 64 i), `sum_tile(e, lo)`, e the 16-value half (per16) or the block's
+                parity (consecutive blocks alternate tiles, so that one block's dot products need not
+                wait for the previous block's sums to be stored). xc0: row 0's activation bytes of
+                the block (split: 32 hi then 32 lo bytes; fast: 32 codes)."""
                 parts = (0, 1) if per16 else (parity,)
+                b_block = v.gep(b_ptr, builder.mul(a, c64(amx_code_block(t))))
                 ax.load(4, xc0, x_stride)
-                ax.load(6, b_ptr, 64)
+                ax.load(6, b_block, 64)
                 if per16:
-                    ax.load(7, v.gep(b_ptr, 512), 64)
+                    ax.load(7, v.gep(b_block, 512), 64)
                 if split:
                     ax.load(5, v.gep(xc0, 32), x_stride)
                 for e in parts:
@@ -859,16 +848,21 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                         code_off = builder.mul(a, c64(4 * block_words))
                         s_at = builder.add(c_words, a)
                         x_scale = [x_word(xr, s_at, F32) for xr in x_rows]
-                        codes = (_fast_code_vectors(v, t, gb, lanes, h, fixed) if fixed is not None
-                                 else _fast_k_code_vectors(v, t, gb, lanes, h, sub))
+                        if amx:
+                            with builder.if_then(decode_here):
+                                _store_amx_codes(v, t, b_ptr, (_fast_code_vectors(v, t, gb, lanes, h, fixed)
+                                                               if fixed is not None
+                                                               else _fast_k_code_vectors(v, t, gb, lanes, h, sub)),
+                                                 zero_rows=False)
+                            tile_sums(builder.select(decode_here, c64(0), a), v.gep(x_rows[0], code_off), parity)
+                        codes = [] if amx else (_fast_code_vectors(v, t, gb, lanes, h, fixed) if fixed is not None
+                                                else _fast_k_code_vectors(v, t, gb, lanes, h, sub))
                         if split:  # (u8, s8, word): the unsigned codes are s8 too, Q8_0's are s8
                             codes = [(v.b.xor(w, ir.Constant(vi, [0x80808080 - 2**32] * lanes)) if t.kind == "bytes"
                                       else w, w, word) for w, word in codes]
                         elif t.kind == "bytes":
                             codes = [(v.b.xor(w, ir.Constant(vi, [0x80808080 - 2**32] * lanes)), word)
                                      for w, word in codes]  # codes + 128, unsigned
-                        if amx:
-                            tile_sums(codes, v.gep(x_rows[0], code_off), parity)
 
                         def finish():  # the block's float operations, x row by x row
                             def sums(i, part=None):  # x row i's dot_sum over the block (part: its 16-value half)
@@ -976,7 +970,81 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
 
         return sig, codegen
 
-    return gdot
+    if amx:  # the AMX intrinsics also take the group's code tiles
+        def gdot_amx(typingctx, raw, xw, y, g, t0, yoff, code_tiles, decode):
+            return gdot(typingctx, raw, xw, y, g, t0, yoff, code_tiles, decode)
+
+        return intrinsic(gdot_amx)
+
+    def gdot_vector(typingctx, raw, xw, y, g, t0, yoff):
+        return gdot(typingctx, raw, xw, y, g, t0, yoff)
+
+    return intrinsic(gdot_vector)
+
+
+def amx_code_block(t: IntType) -> int:
+    """Bytes of B tiles per activation block (`make_amx_code_tiles`): 8 rows of 64 bytes, 16
+    weight rows' 4 codes of one activation word each; per 16 values (Q6_K, Q3_K) two tiles, words
+    0..3 then 4 zero rows, and 4 zero rows then words 4..7, so that one A tile gives both halves'
+    sums."""
+    return 1024 if t.kind in ("q6_k", "q3_k") else 512
+
+
+def _store_amx_codes(v, t: IntType, at, codes, zero_rows: bool = True):
+    """An activation block's B tiles at `at` from its code vectors (`_fast_code_vectors`, 16 rows):
+    signed c - offset where the type has an offset (Q4_0 8, Q5_0 16, Q6_K 32, Q3_K 4), Q8_0's
+    signed bytes as they are, else unsigned (the AMX kernels' sums then need no offset term);
+    per 16 values (Q6_K, Q3_K) words 0..3 and 4 zero rows, then 4 zero rows and words 4..7 (the
+    zero rows left as they are unless zero_rows)."""
+    per16 = t.kind in ("q6_k", "q3_k")
+    offset = {"q6_k": 32, "q3_k": 4}.get(t.kind, t.offset if t.kind in ("nibbles", "q5") else 0)
+    vi = vector_type(I32, GROUP)
+    vb64 = vector_type(I8, 4 * GROUP)
+    for w, word in codes:
+        if offset:  # byte by byte
+            w = v.b.bitcast(v.b.sub(v.b.bitcast(w, vb64), ir.Constant(vb64, [offset] * 4 * GROUP)), vi)
+        v.store(w, at, 64 * word + (512 if per16 and word >= 4 else 0), align=1)
+    if per16 and zero_rows:
+        for zero_at in range(256, 768, 64):
+            v.store(ir.Constant(vi, [0] * GROUP), at, zero_at, align=1)
+
+
+def make_amx_code_tiles(t: IntType):
+    """An intrinsic (raw, g, out): weight group g's codes as AMX B tiles (`_store_amx_codes`) for
+    every activation block of its rows, block a at out[a * amx_code_block(t):] (uint8,
+    C-contiguous, at least blocks per row x that). The AMX kernels multiply one group's tiles with
+    every 16 rows of x: decoding them once per group, not once per 16 rows, and reading them from
+    memory written long before, not from stores just issued (a tile load cannot take data from the
+    store buffer: it waits for the stores to reach the cache), took a 512-row Q4_0 product from 32
+    to ~26 ms in the fast mode (docs/performance.md)."""
+    subs = t.values // 32
+    block_bytes = amx_code_block(t)
+
+    @intrinsic
+    def code_tiles(typingctx, raw, g, out):
+        sig = types.void(raw, g, out)
+
+        def codegen(context, builder, signature, args):
+            v = VectorIR(builder)
+            c64 = lambda k: ir.Constant(I64, k)  # noqa: E731
+            rarr = context.make_array(signature.args[0])(context, builder, args[0])
+            row_bytes = cgutils.unpack_tuple(builder, rarr.shape, 2)[1]
+            rp = data_pointer(context, builder, signature.args[0], args[0])
+            op = data_pointer(context, builder, signature.args[2], args[2])
+            gi = context.cast(builder, args[1], signature.args[1], types.int64)
+            nb = builder.sdiv(row_bytes, c64(t.nbytes))
+            group_base = v.gep(rp, builder.mul(builder.mul(gi, c64(GROUP)), row_bytes))
+            with cgutils.for_range(builder, nb) as loop:
+                gb = v.gep(group_base, builder.mul(loop.index, c64(t.group_block)))
+                for sub in range(subs):
+                    at = v.gep(op, builder.mul(builder.add(builder.mul(loop.index, c64(subs)), c64(sub)),
+                                               c64(block_bytes)))
+                    _store_amx_codes(v, t, at, _fast_code_vectors(v, t, gb, GROUP, 0, sub))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return code_tiles
 
 
 def make_group_dot_exact(t: IntType, isa: str, n: int, amx: bool = False):
@@ -998,6 +1066,10 @@ X_TILES = {"avx512amx": (8, 4, 2, 1), "avx512vnni": (8, 4, 2, 1), "avxvnni": (4,
 # AMX: 16 rows of x at a time by tiles (`make_group_dot_fast(amx=True)`). Fewer rows stay on the
 # VNNI kernels: tiles of 8 and 4 rows measured slower than them (docs/performance.md, 2026-12-07).
 AMX_ROWS = 16
+# From this many rows of x the AMX kernels decode a weight group's codes once for all its tiles of
+# x rows (`make_amx_code_tiles`); below, block by block beside the float work, as each block's
+# code vectors serve fewer tiles than a separate pass costs (docs/performance.md, 2026-12-07)
+AMX_DECODE_ONCE_ROWS = 48
 
 # One intrinsic per (type, instruction set, rows of x at once)
 _GDOT = {(tt, isa, n): make_group_dot_exact(INT_TYPES[tt], isa, n)
@@ -1101,20 +1173,38 @@ _cfunc_lock = threading.Lock()
 # _arows_<type> / _afrows_<type> (exact / fast), GDOT16 their intrinsic (_a_<type> / _af_<type>).
 def _rows_template_amx(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0] // 16 * 16
+    if T < AMX_DECODE_ONCE_ROWS:  # each block's codes decoded beside the float work of the last,
+        # into one slot (1024 bytes; the zero rows of Q6_K's and Q3_K's tiles written here, once)
+        slot = np.zeros(1024, np.uint8)
+        for g in range(r0 // 16, r1 // 16):
+            for t in range(0, T, 16):
+                GDOT16(raw, xw, y, g, t, yoff, slot, 1)  # noqa: F821
+        return
+    # B tiles of one weight group (CODE_BYTES per byte of a row's blocks), decoded once for all
+    # the tiles of 16 x rows
+    code_tiles = np.empty(raw.shape[1] * CODE_BYTES, np.uint8)  # noqa: F821
     for g in range(r0 // 16, r1 // 16):
+        CODE_TILES(raw, g, code_tiles)  # noqa: F821
         for t in range(0, T, 16):
-            GDOT16(raw, xw, y, g, t, yoff)  # noqa: F821
+            GDOT16(raw, xw, y, g, t, yoff, code_tiles, 0)  # noqa: F821
 
 
 def _make_amx_kernels():
     computes, rows = {}, {}
     for tt in INT_TYPES:
+        t = INT_TYPES[tt]
+        globals()[f"_amx_codes_{tt.name.lower()}"] = make_amx_code_tiles(t)
+        # B tile bytes per byte of a row's GGUF blocks, rounded up (what `_rows_template_amx`
+        # allocates: amx_code_block bytes per activation block)
+        globals()[f"_amx_code_bytes_{tt.name.lower()}"] = -(-amx_code_block(t) * (t.values // 32) // t.nbytes)
         for fast in (False, True):
             stem = f"{'af' if fast else 'a'}_{tt.name.lower()}"
-            gdot = (make_group_dot_fast(INT_TYPES[tt], "avx512amx", AMX_ROWS, amx=True) if fast
-                    else make_group_dot_exact(INT_TYPES[tt], "avx512amx", AMX_ROWS, amx=True))
+            gdot = (make_group_dot_fast(t, "avx512amx", AMX_ROWS, amx=True) if fast
+                    else make_group_dot_exact(t, "avx512amx", AMX_ROWS, amx=True))
             globals()[f"_{stem}"] = gdot
-            loop = _kernel_copy(_rows_template_amx, f"_{stem}rows", {"GDOT16": f"_{stem}"})
+            loop = _kernel_copy(_rows_template_amx, f"_{stem}rows",
+                                {"GDOT16": f"_{stem}", "CODE_TILES": f"_amx_codes_{tt.name.lower()}",
+                                 "CODE_BYTES": f"_amx_code_bytes_{tt.name.lower()}"})
             rows[tt, fast] = globals()[loop.__name__] = njit(nogil=True, cache=True)(loop)
             computes[tt, fast] = _kernel_copy(_compute_template, f"_c{stem}", {"ROWS": loop.__name__})
     return computes, rows
