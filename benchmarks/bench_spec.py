@@ -7,7 +7,11 @@ answers:  SmolLM2, the Apache licence pinned as a document (whole), questions wh
           it and a summarise-this request, each answered greedily with `--speculate off` and
           `lookup` in alternating order, round by round (load from other processes on this shared
           machine hits both alike). Per prompt: decode tok/s medians, drafted / accepted tokens,
-          the ratio to off in the same run, and in how many rounds lookup's tokens equal off's.
+          the ratio to off in the same run, and in how many rounds lookup's tokens equal off's;
+          and the answer's ceiling: how many of off's tokens the latest earlier occurrence of
+          the n tokens before them predicts (n = 3..2 as the drafter matches, and 3..1), the
+          most any prompt-lookup drafter could have had accepted, and the speed-up that would
+          give with verification free (answer tokens / the tokens left to decode).
 overhead: what a fully rejected draft costs: one verify pass of 1 + k rows (k drafted tokens
           that are all wrong, rolled back) against one plain decode step on the same cache, medians
           of alternating timings at 680 tokens of context. The issue's bar: <= 10% more than a
@@ -54,6 +58,21 @@ def _commit() -> str:
     return out.stdout.strip() or "?"
 
 
+def predictable(context: list[int], answer: list[int], min_ngram: int, max_ngram: int = 3) -> int:
+    """Tokens of `answer` that the latest earlier occurrence (in context + the answer before
+    them) of their longest preceding n-gram, max_ngram >= n >= min_ngram, was followed by."""
+    history, hits = list(context), 0
+    for token in answer:
+        for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+            tail = history[-n:]
+            at = next((s for s in range(len(history) - n - 1, -1, -1) if history[s : s + n] == tail), None)
+            if at is not None:
+                hits += history[at + n] == token
+                break
+        history.append(token)
+    return hits
+
+
 def answers(model: str, kv: str | None, rounds: int, max_tokens: int) -> None:
     from engine.session import Session
 
@@ -98,6 +117,20 @@ def answers(model: str, kv: str | None, rounds: int, max_tokens: int) -> None:
         print(f"{'':24s} off {' '.join(f'{x:.0f}' for x in speed[name, 'off'])}; "
               f"lookup {' '.join(f'{x:.0f}' for x in speed[name, 'lookup'])}")
     print(f"median ratio {statistics.median(ratios):.2f}x (the issue's bar: 1.6x)")
+    # the ceiling: the document and the question as context (the chat template's few tokens aside)
+    from engine.speculate import MAX_NGRAM, MIN_NGRAM
+
+    doc_ids = engine.tokenizer.encode(DOC.read_text())
+    print(f"{'prompt':24s} {'tokens':>6s} {f'n {MAX_NGRAM}..{MIN_NGRAM}':>8s} {'bound':>6s} "
+          f"{f'n {MAX_NGRAM}..1':>8s} {'bound':>6s}  (predictable by lookup at best; speed-up if verifying were free)")
+    for name, question in PROMPTS:
+        answer = tokens[name, "off"]
+        context = doc_ids + engine.tokenizer.encode(question)
+        cells = []
+        for low in (MIN_NGRAM, 1):
+            hits = predictable(context, answer, low, MAX_NGRAM)
+            cells.append(f"{hits:8d} {len(answer) / max(1, len(answer) - hits):5.2f}x")
+        print(f"{name:24s} {len(answer):6d} " + " ".join(cells))
 
 
 def overhead(model: str, kv: str | None, repeats: int, drafts=(1, 3, 7)) -> None:
