@@ -284,6 +284,48 @@ def _code_vectors(v, t: IntType, gb, lanes, half):
     return out
 
 
+def c64(k: int):
+    """An i64 constant of the IR."""
+    return ir.Constant(I64, k)
+
+
+class _GroupDotFrame:
+    """What every group-dot intrinsic's codegen starts and ends with, for its arguments (raw, xw,
+    y, g, t0, yoff) as `make_group_dot` describes them: row_bytes, words (activation words per x
+    row), nb (weight blocks per row), group_base (the first byte of weight group g), x_rows (the
+    first byte of x rows t0 .. t0 + n - 1) and faccs[h][i] (the float32 sums of x row t0 + i for
+    weight rows 16g + lanes h .., lanes wide, zero), which `store_sums` writes to y."""
+
+    def __init__(self, context, builder, signature, args, t: IntType, lanes: int, n: int):
+        self.builder, self.v, self.lanes, self.n = builder, VectorIR(builder), lanes, n
+        arg_types = signature.args
+        rarr = context.make_array(arg_types[0])(context, builder, args[0])
+        self.row_bytes = cgutils.unpack_tuple(builder, rarr.shape, 2)[1]
+        rp = data_pointer(context, builder, arg_types[0], args[0])
+        xarr = context.make_array(arg_types[1])(context, builder, args[1])
+        self.words = cgutils.unpack_tuple(builder, xarr.shape, 2)[1]
+        xp = data_pointer(context, builder, arg_types[1], args[1])
+        yarr = context.make_array(arg_types[2])(context, builder, args[2])
+        self.ycols = cgutils.unpack_tuple(builder, yarr.shape, 2)[1]
+        self.yp = data_pointer(context, builder, arg_types[2], args[2])
+        self.gi, self.t0i, self.yoffi = (context.cast(builder, args[i], arg_types[i], types.int64) for i in (3, 4, 5))
+        self.nb = builder.sdiv(self.row_bytes, c64(t.nbytes))
+        self.group_base = self.v.gep(rp, builder.mul(builder.mul(self.gi, c64(GROUP)), self.row_bytes))
+        x_row_bytes = builder.mul(self.words, c64(4))
+        self.x_rows = [self.v.gep(xp, builder.mul(builder.add(self.t0i, c64(i)), x_row_bytes)) for i in range(n)]
+        zero_f = ir.Constant(vector_type(F32, lanes), [0.0] * lanes)
+        self.faccs = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(n)] for _ in range(GROUP // lanes)]
+
+    def store_sums(self) -> None:
+        """y[t0 + i, 16g - yoff + r] = the sums, r < 16, i < n."""
+        b, v = self.builder, self.v
+        col0 = b.sub(b.mul(self.gi, c64(GROUP)), self.yoffi)
+        for i in range(self.n):
+            yrow = v.gep(self.yp, b.mul(b.add(self.t0i, c64(i)), b.mul(self.ycols, c64(4))))
+            for h, accs in enumerate(self.faccs):
+                v.store(b.load(accs[i]), yrow, b.mul(b.add(col0, c64(self.lanes * h)), c64(4)))
+
+
 def make_group_dot(t: IntType, isa: str, n: int):
     """Intrinsic gdot(raw, xw, y, g, t0, yoff): y[t0 + i, 16g - yoff + r] = row 16g + r of W
     times row t0 + i of x, for r < 16 and i < n; raw the repacked matrix (rows, bytes) uint8, xw
@@ -301,24 +343,10 @@ def make_group_dot(t: IntType, isa: str, n: int):
             v = VectorIR(builder)
             ii = IntIR(builder, isa)
             vf, vi = vector_type(F32, lanes), vector_type(I32, lanes)
-            rarr = context.make_array(signature.args[0])(context, builder, args[0])
-            row_bytes = cgutils.unpack_tuple(builder, rarr.shape, 2)[1]
-            rp = data_pointer(context, builder, signature.args[0], args[0])
-            xarr = context.make_array(signature.args[1])(context, builder, args[1])
-            words = cgutils.unpack_tuple(builder, xarr.shape, 2)[1]
-            xp = data_pointer(context, builder, signature.args[1], args[1])
-            yarr = context.make_array(signature.args[2])(context, builder, args[2])
-            ycols = cgutils.unpack_tuple(builder, yarr.shape, 2)[1]
-            yp = data_pointer(context, builder, signature.args[2], args[2])
-            gi, t0i, yoffi = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 4, 5))
-            c64 = lambda k: ir.Constant(I64, k)  # noqa: E731
-            nb = builder.sdiv(row_bytes, c64(t.nbytes))
+            frame = _GroupDotFrame(context, builder, signature, args, t, lanes, n)
+            nb, group_base, x_rows, faccs = frame.nb, frame.group_base, frame.x_rows, frame.faccs
             h_words = builder.mul(nb, c64(16))  # activation code words per x row
-            group_base = v.gep(rp, builder.mul(builder.mul(gi, c64(GROUP)), row_bytes))
-            x_rows = [v.gep(xp, builder.mul(builder.add(t0i, c64(i)), builder.mul(words, c64(4)))) for i in range(n)]
-            zero_f = ir.Constant(vf, [0.0] * lanes)
             zero_i = ir.Constant(vi, [0] * lanes)
-            faccs = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(n)] for _ in range(halves)]
             with cgutils.for_range(builder, nb) as loop:
                 bi = loop.index
                 gb = v.gep(group_base, builder.mul(bi, c64(t.group_block)))
@@ -350,11 +378,7 @@ def make_group_dot(t: IntType, isa: str, n: int):
                         if t.has_min:
                             blk = builder.fadd(blk, builder.fmul(m, v.splat(x_ssum[i], lanes)))
                         builder.store(builder.fadd(builder.load(faccs[h][i]), blk), faccs[h][i])
-            col0 = builder.sub(builder.mul(gi, c64(GROUP)), yoffi)
-            for i in range(n):
-                yrow = v.gep(yp, builder.mul(builder.add(builder.add(t0i, c64(i)), c64(0)), builder.mul(ycols, c64(4))))
-                for h in range(halves):
-                    v.store(builder.load(faccs[h][i]), yrow, builder.mul(builder.add(col0, c64(lanes * h)), c64(4)))
+            frame.store_sums()
             return context.get_dummy_value()
 
         return sig, codegen
@@ -457,25 +481,11 @@ def make_group_dot_k(t: IntType, isa: str, n: int):
             ii = IntIR(builder, isa)
             vf, vi = vector_type(F32, lanes), vector_type(I32, lanes)
             vb = vector_type(I8, lanes)
-            rarr = context.make_array(signature.args[0])(context, builder, args[0])
-            row_bytes = cgutils.unpack_tuple(builder, rarr.shape, 2)[1]
-            rp = data_pointer(context, builder, signature.args[0], args[0])
-            xarr = context.make_array(signature.args[1])(context, builder, args[1])
-            words = cgutils.unpack_tuple(builder, xarr.shape, 2)[1]
-            xp = data_pointer(context, builder, signature.args[1], args[1])
-            yarr = context.make_array(signature.args[2])(context, builder, args[2])
-            ycols = cgutils.unpack_tuple(builder, yarr.shape, 2)[1]
-            yp = data_pointer(context, builder, signature.args[2], args[2])
-            gi, t0i, yoffi = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 4, 5))
-            c64 = lambda k: ir.Constant(I64, k)  # noqa: E731
-            nb = builder.sdiv(row_bytes, c64(t.nbytes))
+            frame = _GroupDotFrame(context, builder, signature, args, t, lanes, n)
+            nb, group_base, x_rows, faccs = frame.nb, frame.group_base, frame.x_rows, frame.faccs
             na = builder.mul(nb, c64(subs))  # activation blocks per x row
             h_words = builder.mul(na, c64(16))
-            group_base = v.gep(rp, builder.mul(builder.mul(gi, c64(GROUP)), row_bytes))
-            x_rows = [v.gep(xp, builder.mul(builder.add(t0i, c64(i)), builder.mul(words, c64(4)))) for i in range(n)]
-            zero_f = ir.Constant(vf, [0.0] * lanes)
             zero_i = ir.Constant(vi, [0] * lanes)
-            faccs = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(n)] for _ in range(halves)]
 
             def int_dot_sum(xc, codes):
                 accs = [zero_i] * n_int_accs
@@ -537,11 +547,7 @@ def make_group_dot_k(t: IntType, isa: str, n: int):
                                     total = int_dot_sum(xc, codes[8 * e : 8 * e + 8])
                                     blk = builder.fmul(builder.sitofp(total, vf), builder.fmul(half_scales[e], x_scale[i]))
                                     builder.store(builder.fadd(builder.load(faccs[h][i]), blk), faccs[h][i])
-            col0 = builder.sub(builder.mul(gi, c64(GROUP)), yoffi)
-            for i in range(n):
-                yrow = v.gep(yp, builder.mul(builder.add(t0i, c64(i)), builder.mul(ycols, c64(4))))
-                for h in range(halves):
-                    v.store(builder.load(faccs[h][i]), yrow, builder.mul(builder.add(col0, c64(lanes * h)), c64(4)))
+            frame.store_sums()
             return context.get_dummy_value()
 
         return sig, codegen
@@ -623,7 +629,6 @@ def _fast_k_code_vectors(v, t: IntType, gb, lanes, half, sub):
         at = b.add(b.mul(base_words, ir.Constant(I64, 64)), ir.Constant(I64, t.header + 64 * j + 4 * lanes * half))
         return v.load(gb, at, vi, align=1)
 
-    c64 = lambda k: ir.Constant(I64, k)  # noqa: E731
     out = []
     if t.kind in ("q4_k", "q5_k"):
         c = b.lshr(sub, c64(1))
@@ -702,25 +707,11 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
             ii = IntIR(builder, isa)
             vf, vi = vector_type(F32, lanes), vector_type(I32, lanes)
             vb = vector_type(I8, lanes)
-            rarr = context.make_array(signature.args[0])(context, builder, args[0])
-            row_bytes = cgutils.unpack_tuple(builder, rarr.shape, 2)[1]
-            rp = data_pointer(context, builder, signature.args[0], args[0])
-            xarr = context.make_array(signature.args[1])(context, builder, args[1])
-            words = cgutils.unpack_tuple(builder, xarr.shape, 2)[1]
-            xp = data_pointer(context, builder, signature.args[1], args[1])
-            yarr = context.make_array(signature.args[2])(context, builder, args[2])
-            ycols = cgutils.unpack_tuple(builder, yarr.shape, 2)[1]
-            yp = data_pointer(context, builder, signature.args[2], args[2])
-            gi, t0i, yoffi = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 4, 5))
-            c64 = lambda k: ir.Constant(I64, k)  # noqa: E731
-            nb = builder.sdiv(row_bytes, c64(t.nbytes))
+            frame = _GroupDotFrame(context, builder, signature, args, t, lanes, n)
+            words, nb, group_base, x_rows, faccs = frame.words, frame.nb, frame.group_base, frame.x_rows, frame.faccs
             na = builder.mul(nb, c64(subs))  # activation blocks per x row
             c_words = builder.mul(na, c64(block_words))  # code words per x row
-            group_base = v.gep(rp, builder.mul(builder.mul(gi, c64(GROUP)), row_bytes))
-            x_rows = [v.gep(xp, builder.mul(builder.add(t0i, c64(i)), builder.mul(words, c64(4)))) for i in range(n)]
-            zero_f = ir.Constant(vf, [0.0] * lanes)
             zero_i = ir.Constant(vi, [0] * lanes)
-            faccs = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(n)] for _ in range(halves)]
 
             sub_scales = cgutils.alloca_once(builder, vf, size=16)  # per-sub-block scales (k-quants)
             sub_minima = cgutils.alloca_once(builder, vf, size=8)
@@ -961,11 +952,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                     block(loop.index, 0)
             if amx:
                 ax.release()
-            col0 = builder.sub(builder.mul(gi, c64(GROUP)), yoffi)
-            for i in range(n):
-                yrow = v.gep(yp, builder.mul(builder.add(t0i, c64(i)), builder.mul(ycols, c64(4))))
-                for h in range(halves):
-                    v.store(builder.load(faccs[h][i]), yrow, builder.mul(builder.add(col0, c64(lanes * h)), c64(4)))
+            frame.store_sums()
             return context.get_dummy_value()
 
         return sig, codegen
@@ -1026,7 +1013,6 @@ def make_amx_code_tiles(t: IntType):
 
         def codegen(context, builder, signature, args):
             v = VectorIR(builder)
-            c64 = lambda k: ir.Constant(I64, k)  # noqa: E731
             rarr = context.make_array(signature.args[0])(context, builder, args[0])
             row_bytes = cgutils.unpack_tuple(builder, rarr.shape, 2)[1]
             rp = data_pointer(context, builder, signature.args[0], args[0])
