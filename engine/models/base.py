@@ -13,6 +13,7 @@ from ..gguf_file import GGUFError
 from ..kernels import helper
 from ..kernels.norms import apply_rope
 from ..kv.cache import FullPrecisionCache, KVCache
+from ..weights import LinearGroup, WeightStore
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -54,6 +55,23 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     c = np.float32(np.sqrt(2.0 / np.pi))
     return 0.5 * x * (1.0 + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
 
+
+
+class GatedMLP:
+    """The feed-forward block of every family here: ffn_down(activation(ffn_gate x) * ffn_up x),
+    gate and up as one group of products (x quantized once). args: the model's, with dim and
+    ffn_dim."""
+
+    def __init__(self, args, w: WeightStore, prefix: str, activation):
+        self.ffn_gate = w.linear(f"{prefix}.ffn_gate.weight", args.ffn_dim, args.dim)
+        self.ffn_up = w.linear(f"{prefix}.ffn_up.weight", args.ffn_dim, args.dim)
+        self.ffn_down = w.linear(f"{prefix}.ffn_down.weight", args.dim, args.ffn_dim)
+        self.gate_up = LinearGroup((self.ffn_gate, self.ffn_up))
+        self.activation = activation
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        gate, up = self.gate_up(x)
+        return self.ffn_down(gated(self.activation, gate, up))
 
 def rope_tables(positions: np.ndarray, dim: int, base: float, freq_scale: float = 1.0,
                 freq_factors: np.ndarray | None = None):

@@ -11,7 +11,7 @@ from ..gguf_file import GGUFFile
 from ..kernels.norms import apply_rope, rms_norm
 from ..kv.cache import KVCache, LayerKVCache
 from ..weights import LinearGroup, WeightStore
-from .base import BaseModel, KVGeometry, gated, gelu_tanh, rope_freq_scale, rope_tables
+from .base import BaseModel, GatedMLP, KVGeometry, gelu_tanh, rope_freq_scale, rope_tables
 
 ARCH = "gemma3"
 LOCAL_ROPE_BASE = 10_000.0
@@ -95,18 +95,6 @@ class Attention:
         return self.attn_output(o.reshape(T, a.n_heads * a.value_dim))
 
 
-class MLP:
-    def __init__(self, args: ModelArgs, w: WeightStore, prefix: str):
-        self.ffn_gate = w.linear(f"{prefix}.ffn_gate.weight", args.ffn_dim, args.dim)
-        self.ffn_up = w.linear(f"{prefix}.ffn_up.weight", args.ffn_dim, args.dim)
-        self.ffn_down = w.linear(f"{prefix}.ffn_down.weight", args.dim, args.ffn_dim)
-        self.gate_up = LinearGroup((self.ffn_gate, self.ffn_up))
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        gate, up = self.gate_up(x)  # x quantized once
-        return self.ffn_down(gated(gelu_tanh, gate, up))
-
-
 class TransformerBlock:
     def __init__(self, args: ModelArgs, w: WeightStore, layer: int):
         prefix = f"blk.{layer}"
@@ -118,7 +106,7 @@ class TransformerBlock:
         self.ffn_norm = w.vector(f"{prefix}.ffn_norm.weight", args.dim)
         self.post_ffw_norm = w.vector(f"{prefix}.post_ffw_norm.weight", args.dim)
         self.attention = Attention(args, w, prefix, self.is_global)
-        self.mlp = MLP(args, w, prefix)
+        self.mlp = GatedMLP(args, w, prefix, gelu_tanh)
 
     def __call__(self, x, rope_local, rope_global, cache: LayerKVCache) -> np.ndarray:
         rope = rope_global if self.is_global else rope_local

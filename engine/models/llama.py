@@ -19,7 +19,7 @@ from ..gguf_file import GGUFFile
 from ..kernels.norms import rms_norm
 from ..kv.cache import KVCache, LayerKVCache
 from ..weights import LinearGroup, WeightStore
-from .base import BaseModel, KVGeometry, Rope, gated, rope_freq_scale, silu
+from .base import BaseModel, GatedMLP, KVGeometry, Rope, rope_freq_scale, silu
 
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -108,18 +108,6 @@ class Attention:
         return self.attn_output(o.reshape(T, a.n_heads * a.head_dim))
 
 
-class MLP:
-    def __init__(self, args: ModelArgs, w: WeightStore, prefix: str):
-        self.ffn_gate = w.linear(f"{prefix}.ffn_gate.weight", args.ffn_dim, args.dim)
-        self.ffn_up = w.linear(f"{prefix}.ffn_up.weight", args.ffn_dim, args.dim)
-        self.ffn_down = w.linear(f"{prefix}.ffn_down.weight", args.dim, args.ffn_dim)
-        self.gate_up = LinearGroup((self.ffn_gate, self.ffn_up))
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        gate, up = self.gate_up(x)  # x quantized once
-        return self.ffn_down(gated(silu, gate, up))  # silu(gate) * up
-
-
 class TransformerBlock:
     def __init__(self, args: ModelArgs, w: WeightStore, layer: int, rope: Rope, *,
                  biases: bool | None, qk_norm: bool):
@@ -128,7 +116,7 @@ class TransformerBlock:
         self.attn_norm = w.vector(f"{prefix}.attn_norm.weight", args.dim)
         self.ffn_norm = w.vector(f"{prefix}.ffn_norm.weight", args.dim)
         self.attention = Attention(args, w, prefix, rope, biases=biases, qk_norm=qk_norm)
-        self.mlp = MLP(args, w, prefix)
+        self.mlp = GatedMLP(args, w, prefix, silu)
 
     def __call__(self, x, rope_tables, cache: LayerKVCache) -> np.ndarray:
         x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), rope_tables, cache)
