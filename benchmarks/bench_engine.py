@@ -1,7 +1,7 @@
 """The speed issue's measurements: prefill/decode against llama.cpp, and peak memory.
 
     .venv/bin/python benchmarks/bench_engine.py [--cases NAME ...] [--decode 16] [--rounds 3] [--no-rss]
-                                                [--prefill-pairs 5] [--llama-venv /tmp/llvenv]
+                                                [--prefill-pairs 5] [--decode-pairs 7] [--llama-venv /tmp/llvenv]
 
 Cases (model, context, our KV, llama.cpp's KV):
 
@@ -31,6 +31,8 @@ seconds (the same 1B prefill took 7.3 s, then 8.8 s, in one process; its BLAS pr
 182 GFLOP/s in one run and 127 in another), so one pair's ratio can land anywhere in 0.8-1.1x. N more
 prefills of each side, alternating (ours, llama.cpp, ours, ...) in the same process, are printed
 per case with each pair's ratio and their median: the fair comparison of the two prefill rates.
+Decode pairs (`--decode-pairs N`) likewise: N windows of `decode` tokens each side, alternating,
+both at the prompt's length (each window is taken back off the cache after it).
 
 With the K4V4 case, our 16-bit and K4V4 caches are also compared directly at that context in
 alternating decode windows (2 x rounds + 1 each, medians), the fair way to compare two of ours.
@@ -176,6 +178,46 @@ def paired_prefill(engine: Engine, path: Path, ids: list[int], kv: str, llama_kv
     return out
 
 
+def paired_decode(engine: Engine, path: Path, ids: list[int], kv: str, llama_kv: str, n_decode: int,
+                  pairs: int):
+    """`pairs` decode windows of n_decode greedy tokens after ids, ours and llama.cpp's
+    alternating (who goes first alternates too), each at the same context length; [(ours tok/s,
+    llama.cpp tok/s)], or None without llama.cpp."""
+    llm = open_llama_cpp(path, len(ids) + n_decode + 8, llama_kv)
+    if llm is None:
+        return None
+    cache = engine.new_cache(kv)
+    token = int(np.argmax(engine.prefill(ids, cache)))
+    llm.eval(ids)
+
+    def ours() -> float:
+        nonlocal token
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
+        dt = time.perf_counter() - t0
+        cache.trim(n_decode)
+        return n_decode / dt
+
+    def theirs() -> float:
+        llm.n_tokens = len(ids)  # eval drops the KV past n_tokens first
+        t0 = time.perf_counter()
+        for i in range(n_decode):  # (decode speed does not depend on which token)
+            llm.eval([ids[i]])
+        return n_decode / (time.perf_counter() - t0)
+
+    out = []
+    for i in range(pairs):
+        if i % 2:
+            t = theirs()
+            out.append((ours(), t))
+        else:
+            out.append((ours(), theirs()))
+    cache.release()
+    del llm
+    return out
+
+
 def vm_hwm() -> int:
     """This process's peak resident size in bytes: Linux's VmHWM (ru_maxrss would also count the
     parent's peak, which a child inherits across fork and exec)."""
@@ -211,6 +253,8 @@ def main() -> None:
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs")
     parser.add_argument("--prefill-pairs", type=int, default=5,
                         help="alternating prefills of ours and llama.cpp's per case (0: none)")
+    parser.add_argument("--decode-pairs", type=int, default=0,
+                        help="alternating decode windows of ours and llama.cpp's per case (0: none)")
     parser.add_argument("--llama-venv", help="a venv with llama-cpp-python: its site-packages go after ours")
     parser.add_argument("--arith", choices=("exact", "fast", "float"),
                         help="our weight arithmetic (default: OMLX_ARITH, else exact)")
@@ -229,6 +273,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     engines: dict[str, Engine] = {}
     pairs: dict[str, list[tuple[float, float]]] = {}
+    decode_pairs: dict[str, list[tuple[float, float]]] = {}
     for name in args.cases:
         model, context, kv, llama_kv = CASES[name]
         path = model_file(model)
@@ -243,9 +288,13 @@ def main() -> None:
               f"{ratio(decode, ld)} / {ratio(decode, issue and issue[1])} |", flush=True)
         if args.prefill_pairs > 0 and same:
             pairs[name] = paired_prefill(engine, path, ids, kv, llama_kv, args.prefill_pairs)
-    if pairs:
-        print("\nprefill, alternating (ours / llama.cpp tok/s, each pair's ratio), median ratio:")
-        for name, runs in pairs.items():
+        if args.decode_pairs > 0 and same:
+            decode_pairs[name] = paired_decode(engine, path, ids, kv, llama_kv, args.decode, args.decode_pairs)
+    for what, runs_by_case in (("prefill", pairs), ("decode", decode_pairs)):
+        if not runs_by_case:
+            continue
+        print(f"\n{what}, alternating (ours / llama.cpp tok/s, each pair's ratio), median ratio:")
+        for name, runs in runs_by_case.items():
             ratios = [o / t for o, t in runs]
             listed = ", ".join(f"{o:.1f}/{t:.1f} {o / t:.2f}x" for o, t in runs)
             print(f"  {name}: {listed}; median {float(np.median(ratios)):.2f}x", flush=True)
