@@ -13,6 +13,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # Engine.load compiles every kernel before it returns: tests that compare the compiled paths with
 # the reference must run them (on a first start the reference would answer while they compile)
 os.environ.setdefault("OMLX_KERNEL_WARMUP", "wait")
+# a kernel compiler process ends with the process that started it: a test's child must not go on
+# compiling beside the next tests (tests/test_first_start.py checks the finishing on its own)
+os.environ.setdefault("OMLX_KERNEL_FINISH", "off")
 
 DATA = Path(__file__).parent / "data"
 REFERENCE_NAMES = {

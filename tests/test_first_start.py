@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -220,6 +221,42 @@ def test_background_groups_ready_or_failed_and_logged(fresh_groups, monkeypatch,
     text = caplog.text
     assert "ok kernels ready" in text and ("child process" if mode == "process" else "background thread") in text
     assert "compiling the bad kernels failed" in text
+
+
+@pytest.mark.parametrize("finish", ["on", "off"])
+def test_a_compiler_whose_parent_ended_finishes_its_groups_at_low_priority(tmp_path, finish):
+    """A process starts two groups in a child and exits before the first is done (a user who
+    closes the app within the minute a first start compiles): with OMLX_KERNEL_FINISH on (the
+    default) the child compiles both, the second at a lower priority, so that the next start finds
+    them in the cache; off, it ends with its parent and compiles neither."""
+    marker = tmp_path / "marker.txt"
+    marker.touch()
+    parent = textwrap.dedent("""
+        import time
+        from engine.kernels import background
+        background.start([("first", "tests.background_targets:first", ()),
+                          ("second", "tests.background_targets:second", ())])
+        time.sleep(0.5)  # the child is running the first target (1.5 s)
+        print("parent leaving", flush=True)
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMLX_TEST_BACKGROUND_MARKER=str(marker))
+    env[background.FINISH_ENV] = finish
+    env.pop(background.MODE_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=ROOT)
+    assert proc.returncode == 0 and "parent leaving" in proc.stdout, proc.stderr
+    deadline = time.monotonic() + (60 if finish == "on" else 6)
+    while time.monotonic() < deadline and len(marker.read_text().splitlines()) < 2:
+        time.sleep(0.2)
+    lines = [line.split() for line in marker.read_text().splitlines()]
+    if finish == "off":
+        assert lines == []
+        return
+    assert [name for _, name, _ in lines] == ["first", "second"]
+    (pid1, _, priority1), (pid2, _, priority2) = lines
+    assert pid1 == pid2  # both in the child (the parent was gone before either was done)
+    if hasattr(os, "getpriority"):
+        assert int(priority2) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + background.FINISH_NICE)
 
 
 def test_background_loads_cached_groups_without_a_child(fresh_groups, monkeypatch, caplog):

@@ -13,9 +13,13 @@ numba's disk cache (the same cache: the child inherits the environment, NUMBA_CA
 and reports each one; a thread here then loads it from that cache. A compiling thread in this
 process would hold the GIL for most of a minute, and every release of the GIL by the answering
 thread (each BLAS call, each kernel call) would then wait for it: the first answer got slower
-than compiling everything first. The child exits when this process does (it watches its stdin,
-which this process holds). Without a child (a frozen app, or the child failed), the thread
-compiles the remaining groups itself.
+than compiling everything first. When this process ends first (the child watches its stdin,
+which this process holds), the child finishes the groups left at a lower priority and exits:
+numba caches a function only once it is compiled, and the decode attention group alone compiles
+for over a minute, so a user whose sessions were shorter than that kept starting it over and kept
+decoding on the fallback (`OMLX_KERNEL_FINISH=off`: the child ends with its parent, as the test
+session wants). Without a child (a frozen app, or the child failed), the thread compiles the
+remaining groups itself.
 
 numba compiles under one process-wide lock (its compiler lock), also when it only loads a cached
 kernel: a first call of a kernel not compiled yet, in any thread, waits while this process's
@@ -44,6 +48,10 @@ from pathlib import Path
 log = logging.getLogger("omlx.kernels")
 
 MODE_ENV = "OMLX_KERNEL_COMPILE"  # "process" (default where possible) or "thread": where groups compile
+# "on" (default): a compiler process whose parent ended finishes its groups at low priority, so
+# that the next start finds them in the cache; "off": it ends with its parent
+FINISH_ENV = "OMLX_KERNEL_FINISH"
+FINISH_NICE = 10  # the orphaned compiler's niceness increment (where the OS has one)
 
 
 @dataclass
@@ -247,21 +255,44 @@ def note_first_token(ttft_s: float) -> None:
 
 
 def _child_main(targets: list[str]) -> int:
-    """The compiler process: compile each target in order, print "done i" or "failed i message";
-    exit as soon as the parent closes our stdin (it ended)."""
+    """The compiler process: compile each target in order, print "done i" or "failed i message".
+    When the parent closes our stdin (it ended): finish the targets at a lower priority, saying
+    nothing more (FINISH_ENV "on"), or exit at once ("off")."""
+    finish = os.environ.get(FINISH_ENV, "on").strip().lower() != "off"
+    orphaned = threading.Event()
 
     def watch_parent():
         sys.stdin.read()
-        os._exit(0)
+        if not finish:
+            os._exit(0)
+        orphaned.set()
+        # the main thread compiles; on Linux a priority is per thread and PRIO_PROCESS with the
+        # process id names the main one (os.nice here would lower only this thread)
+        if hasattr(os, "setpriority"):
+            try:
+                pid = os.getpid()
+                os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, pid) + FINISH_NICE))
+            except OSError:  # not permitted here: finish at the priority we have
+                pass
+
+    def report(line: str) -> None:
+        if orphaned.is_set():
+            return
+        try:
+            print(line, flush=True)
+        except (BrokenPipeError, ValueError):  # the parent is gone and took the pipe
+            orphaned.set()
 
     threading.Thread(target=watch_parent, daemon=True).start()
     for i, target in enumerate(targets):
         try:
             _call(target)
         except Exception as exc:  # reported to the parent, which compiles the rest itself
-            print(f"failed {i} {type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
+            report(f"failed {i} {type(exc).__name__}: {exc}".replace("\n", " "))
             return 1
-        print(f"done {i}", flush=True)
+        report(f"done {i}")
+    if orphaned.is_set():
+        os._exit(0)  # (stdout's pipe is gone: an exit that flushes it would complain)
     return 0
 
 
