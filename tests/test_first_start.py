@@ -236,15 +236,17 @@ def test_a_compiler_whose_parent_ended_finishes_its_groups_at_low_priority(tmp_p
         from engine.kernels import background
         background.start([("first", "tests.background_targets:first", ()),
                           ("second", "tests.background_targets:second", ())])
-        time.sleep(0.5)  # the child is running the first target (1.5 s)
-        print("parent leaving", flush=True)
+        deadline = time.monotonic() + 30
+        while "first: compiling" not in background.status() and time.monotonic() < deadline:
+            time.sleep(0.02)  # until the child runs (the first target takes it 1.5 s)
+        print("parent leaving:", background.status(), flush=True)
     """)
     env = dict(os.environ, PYTHONPATH=ROOT, OMLX_TEST_BACKGROUND_MARKER=str(marker))
     env[background.FINISH_ENV] = finish
     env.pop(background.MODE_ENV, None)
     proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120,
                           env=env, cwd=ROOT)
-    assert proc.returncode == 0 and "parent leaving" in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and "parent leaving: first: compiling" in proc.stdout, proc.stdout + proc.stderr
     deadline = time.monotonic() + (60 if finish == "on" else 6)
     while time.monotonic() < deadline and len(marker.read_text().splitlines()) < 2:
         time.sleep(0.2)
