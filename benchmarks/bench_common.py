@@ -46,14 +46,20 @@ def prefill_and_decode(engine, ids: list[int], specs: list[str], n_decode: int, 
     decode = {spec: [] for spec in specs}
     for _ in range(rounds):
         for spec in specs:
-            token, cache = tokens[spec], caches[spec]
-            t0 = time.perf_counter()
-            for _ in range(n_decode):
-                token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
-            decode[spec].append(n_decode / (time.perf_counter() - t0))
-            cache.trim(n_decode)
-            tokens[spec] = token
+            tokens[spec], tok_s = decode_window(engine, caches[spec], tokens[spec], n_decode)
+            decode[spec].append(tok_s)
     return prefill, decode, caches
+
+
+def decode_window(engine, cache, token: int, n_decode: int) -> tuple[int, float]:
+    """n_decode greedy steps from `token` on `cache`, then trimmed off it again (the next window
+    runs at the same context length); (the last token, tok/s)."""
+    t0 = time.perf_counter()
+    for _ in range(n_decode):
+        token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
+    tok_s = n_decode / (time.perf_counter() - t0)
+    cache.trim(n_decode)
+    return token, tok_s
 
 
 def cpu_seconds() -> float:

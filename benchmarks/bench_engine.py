@@ -66,7 +66,7 @@ os.environ.setdefault("OMLX_KERNEL_WARMUP", "wait")  # measure the compiled path
 from engine.catalog import models_dir, resolve_model  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 
-from bench_common import prefill_and_decode, prompt_ids  # noqa: E402  (benchmarks/, the script's folder)
+from bench_common import decode_window, prefill_and_decode, prompt_ids  # noqa: E402  (benchmarks/, the script's folder)
 
 CASES = {  # name -> (catalog model, context, our KV spec, llama.cpp KV type)
     "1b-q4_k_m": ("synthetic:speed-1b-q4_k_m", 512, "full", "f16"),  # what users download: first
@@ -147,75 +147,58 @@ def measure_llama_cpp(path: Path, ids: list[int], kv: str, n_decode: int, rounds
     t0 = time.perf_counter()
     llm.eval(ids)
     prefill = len(ids) / (time.perf_counter() - t0)
-    windows = []
-    for r in range(rounds):  # decode speed does not depend on which token: feed the prompt's
-        t0 = time.perf_counter()
-        for i in range(n_decode):
-            llm.eval([ids[r * n_decode + i]])
-        windows.append(n_decode / (time.perf_counter() - t0))
+    windows = [llama_decode_window(llm, ids[r * n_decode : (r + 1) * n_decode]) for r in range(rounds)]
     del llm
     return prefill, float(np.median(windows))
 
 
-def paired_prefill(engine: Engine, path: Path, ids: list[int], kv: str, llama_kv: str, pairs: int):
-    """`pairs` prefills of ids by ours and by llama.cpp, alternating; [(ours tok/s, llama.cpp tok/s)],
-    or None without llama.cpp."""
-    llm = open_llama_cpp(path, len(ids) + 8, llama_kv)
-    if llm is None:
-        return None
-    out = []
-    for _ in range(pairs):
-        cache = engine.new_cache(kv)
-        t0 = time.perf_counter()
-        engine.prefill(ids, cache)
-        ours = len(ids) / (time.perf_counter() - t0)
-        cache.release()
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(ids)
-        out.append((ours, len(ids) / (time.perf_counter() - t0)))
-    del llm
-    return out
+def llama_decode_window(llm, tokens: list[int]) -> float:
+    """llama.cpp's tok/s evaluating `tokens` one at a time after what it holds (decode speed does
+    not depend on which token: the benchmarks feed the prompt's)."""
+    t0 = time.perf_counter()
+    for token in tokens:
+        llm.eval([token])
+    return len(tokens) / (time.perf_counter() - t0)
 
 
-def paired_decode(engine: Engine, path: Path, ids: list[int], kv: str, llama_kv: str, n_decode: int,
-                  pairs: int):
-    """`pairs` decode windows of n_decode greedy tokens after ids, ours and llama.cpp's
-    alternating (who goes first alternates too), each at the same context length; [(ours tok/s,
-    llama.cpp tok/s)], or None without llama.cpp."""
+def paired_runs(engine: Engine, path: Path, ids: list[int], kv: str, llama_kv: str, prefill_pairs: int,
+                decode_pairs: int, n_decode: int):
+    """Ours and llama.cpp's, alternating, in one process: `prefill_pairs` prefills of ids, then
+    `decode_pairs` windows of n_decode greedy tokens after the last of them (who goes first
+    alternates; each window is taken back off, so all run at the prompt's length). Returns the
+    prefill and the decode pairs [(ours tok/s, llama.cpp tok/s)], or None without llama.cpp."""
     llm = open_llama_cpp(path, len(ids) + n_decode + 8, llama_kv)
     if llm is None:
         return None
-    cache = engine.new_cache(kv)
-    token = int(np.argmax(engine.prefill(ids, cache)))
-    llm.eval(ids)
-
-    def ours() -> float:
-        nonlocal token
+    prefills, decodes = [], []
+    cache = None
+    for _ in range(max(1, prefill_pairs)):  # (decode pairs need one prefill)
+        if cache is not None:
+            cache.release()
+        cache = engine.new_cache(kv)
         t0 = time.perf_counter()
-        for _ in range(n_decode):
-            token = int(np.argmax(engine.model.forward([token], cache, "last")[0]))
-        dt = time.perf_counter() - t0
-        cache.trim(n_decode)
-        return n_decode / dt
+        token = int(np.argmax(engine.prefill(ids, cache)))
+        ours = len(ids) / (time.perf_counter() - t0)
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        prefills.append((ours, len(ids) / (time.perf_counter() - t0)))
 
     def theirs() -> float:
         llm.n_tokens = len(ids)  # eval drops the KV past n_tokens first
-        t0 = time.perf_counter()
-        for i in range(n_decode):  # (decode speed does not depend on which token)
-            llm.eval([ids[i]])
-        return n_decode / (time.perf_counter() - t0)
+        return llama_decode_window(llm, ids[:n_decode])
 
-    out = []
-    for i in range(pairs):
+    for i in range(decode_pairs):
         if i % 2:
             t = theirs()
-            out.append((ours(), t))
+            token, ours = decode_window(engine, cache, token, n_decode)
+            decodes.append((ours, t))
         else:
-            out.append((ours(), theirs()))
+            token, ours = decode_window(engine, cache, token, n_decode)
+            decodes.append((ours, theirs()))
     cache.release()
     del llm
-    return out
+    return prefills[:prefill_pairs], decodes
 
 
 def vm_hwm() -> int:
@@ -286,11 +269,11 @@ def main() -> None:
         print(f"| {name} | {prefill:.1f} | {decode:.1f} | {lp or 0:.1f} | {ld or 0:.1f} | "
               f"{ratio(prefill, lp)} / {ratio(prefill, issue and issue[0])} | "
               f"{ratio(decode, ld)} / {ratio(decode, issue and issue[1])} |", flush=True)
-        if args.prefill_pairs > 0 and same:
-            pairs[name] = paired_prefill(engine, path, ids, kv, llama_kv, args.prefill_pairs)
-        if args.decode_pairs > 0 and same:
-            decode_pairs[name] = paired_decode(engine, path, ids, kv, llama_kv, args.decode, args.decode_pairs)
+        if (args.prefill_pairs > 0 or args.decode_pairs > 0) and same:
+            pairs[name], decode_pairs[name] = paired_runs(engine, path, ids, kv, llama_kv, args.prefill_pairs,
+                                                          args.decode_pairs, args.decode)
     for what, runs_by_case in (("prefill", pairs), ("decode", decode_pairs)):
+        runs_by_case = {name: runs for name, runs in runs_by_case.items() if runs}
         if not runs_by_case:
             continue
         print(f"\n{what}, alternating (ours / llama.cpp tok/s, each pair's ratio), median ratio:")

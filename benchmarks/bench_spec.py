@@ -58,17 +58,15 @@ def _commit() -> str:
     return out.stdout.strip() or "?"
 
 
-def predictable(context: list[int], answer: list[int], min_ngram: int, max_ngram: int = 3) -> int:
-    """Tokens of `answer` that the latest earlier occurrence (in context + the answer before
-    them) of their longest preceding n-gram, max_ngram >= n >= min_ngram, was followed by."""
+def predictable(context: list[int], answer: list[int], min_ngram: int) -> int:
+    """Tokens of `answer` that the shipped drafter (`PromptLookup`, n-grams MAX_NGRAM down to
+    min_ngram) drafts as the next token from context + the answer before them."""
+    from engine.speculate import MAX_NGRAM, PromptLookup
+
+    lookup = PromptLookup(max_draft=1, max_ngram=MAX_NGRAM, min_ngram=min_ngram)
     history, hits = list(context), 0
     for token in answer:
-        for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
-            tail = history[-n:]
-            at = next((s for s in range(len(history) - n - 1, -1, -1) if history[s : s + n] == tail), None)
-            if at is not None:
-                hits += history[at + n] == token
-                break
+        hits += lookup.draft(history, 1) == [token]
         history.append(token)
     return hits
 
@@ -128,7 +126,7 @@ def answers(model: str, kv: str | None, rounds: int, max_tokens: int) -> None:
         context = doc_ids + engine.tokenizer.encode(question)
         cells = []
         for low in (MIN_NGRAM, 1):
-            hits = predictable(context, answer, low, MAX_NGRAM)
+            hits = predictable(context, answer, low)
             cells.append(f"{hits:8d} {len(answer) / max(1, len(answer) - hits):5.2f}x")
         print(f"{name:24s} {len(answer):6d} " + " ".join(cells))
 
