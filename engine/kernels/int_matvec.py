@@ -715,12 +715,11 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
 
             sub_scales = cgutils.alloca_once(builder, vf, size=16)  # per-sub-block scales (k-quants)
             sub_minima = cgutils.alloca_once(builder, vf, size=8)
-            per16 = t.kind in ("q6_k", "q3_k")  # sums per 16 values (two scales per block)
-            # AMX takes codes with an offset (Q4_0 8, Q5_0 16, Q6_K 32, Q3_K 4) as c - offset and
-            # Q8_0's as they are, signed bytes: the sums come out with the offset term taken off
-            # (the same integers), and the float work after them loses its correction
-            amx_offset = {"q6_k": 32, "q3_k": 4}.get(t.kind, t.offset if t.kind in ("nibbles", "q5") else 0) if amx else 0
-            signed_codes = amx and (amx_offset > 0 or t.kind == "bytes")
+            per16 = _per16(t)  # sums per 16 values (two scales per block)
+            # AMX takes codes with an offset as c - offset and Q8_0's as they are, signed bytes
+            # (`_store_amx_codes`): the sums come out with the offset term taken off (the same
+            # integers), and the float work after them loses its correction
+            signed_codes = amx and (_amx_code_offset(t) > 0 or t.kind == "bytes")
             if amx:
                 ax = AmxIR(builder)
                 ax.configure({0: (GROUP, 64), 1: (GROUP, 64), 2: (GROUP, 64), 3: (GROUP, 64),
@@ -877,7 +876,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                                                for e in (0, 1)]
                             for i in range(n):
                                 xc = v.gep(x_rows[i], code_off)
-                                if t.kind in ("q6_k", "q3_k"):
+                                if per16:
                                     code_offset = 32 if t.kind == "q6_k" else 4
                                     for e in (0, 1):
                                         total = join(sums(i, e))
@@ -974,7 +973,18 @@ def amx_code_block(t: IntType) -> int:
     weight rows' 4 codes of one activation word each; per 16 values (Q6_K, Q3_K) two tiles, words
     0..3 then 4 zero rows, and 4 zero rows then words 4..7, so that one A tile gives both halves'
     sums."""
-    return 1024 if t.kind in ("q6_k", "q3_k") else 512
+    return 1024 if _per16(t) else 512
+
+
+def _per16(t: IntType) -> bool:
+    """Whether the type's scales are per 16 values (two per 32-value activation block)."""
+    return t.kind in ("q6_k", "q3_k")
+
+
+def _amx_code_offset(t: IntType) -> int:
+    """What the AMX kernels take off each code to make it a signed byte (Q4_0 8, Q5_0 16, Q6_K 32,
+    Q3_K 4; 0: the codes go in as they are)."""
+    return {"q6_k": 32, "q3_k": 4}.get(t.kind, t.offset if t.kind in ("nibbles", "q5") else 0)
 
 
 def _store_amx_codes(v, t: IntType, at, codes, zero_rows: bool = True):
@@ -983,8 +993,7 @@ def _store_amx_codes(v, t: IntType, at, codes, zero_rows: bool = True):
     signed bytes as they are, else unsigned (the AMX kernels' sums then need no offset term);
     per 16 values (Q6_K, Q3_K) words 0..3 and 4 zero rows, then 4 zero rows and words 4..7 (the
     zero rows left as they are unless zero_rows)."""
-    per16 = t.kind in ("q6_k", "q3_k")
-    offset = {"q6_k": 32, "q3_k": 4}.get(t.kind, t.offset if t.kind in ("nibbles", "q5") else 0)
+    per16, offset = _per16(t), _amx_code_offset(t)
     vi = vector_type(I32, GROUP)
     vb64 = vector_type(I8, 4 * GROUP)
     for w, word in codes:

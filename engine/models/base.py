@@ -56,7 +56,6 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
 
 
-
 class GatedMLP:
     """The feed-forward block of every family here: ffn_down(activation(ffn_gate x) * ffn_up x),
     gate and up as one group of products (x quantized once). args: the model's, with dim and
@@ -72,6 +71,7 @@ class GatedMLP:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         gate, up = self.gate_up(x)
         return self.ffn_down(gated(self.activation, gate, up))
+
 
 def rope_tables(positions: np.ndarray, dim: int, base: float, freq_scale: float = 1.0,
                 freq_factors: np.ndarray | None = None):
