@@ -255,7 +255,7 @@ def test_a_compiler_whose_parent_ended_finishes_its_groups_at_low_priority(tmp_p
         assert lines == []
         return
     assert [name for _, name, _ in lines] == ["first", "second"]
-    (pid1, _, priority1), (pid2, _, priority2) = lines
+    (pid1, _, _), (pid2, _, priority2) = lines
     assert pid1 == pid2  # both in the child (the parent was gone before either was done)
     if hasattr(os, "getpriority"):
         assert int(priority2) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + background.FINISH_NICE)

@@ -284,16 +284,18 @@ def _child_main(targets: list[str]) -> int:
             orphaned.set()
 
     threading.Thread(target=watch_parent, daemon=True).start()
+    code = 0
     for i, target in enumerate(targets):
         try:
             _call(target)
         except Exception as exc:  # reported to the parent, which compiles the rest itself
             report(f"failed {i} {type(exc).__name__}: {exc}".replace("\n", " "))
-            return 1
+            code = 1
+            break
         report(f"done {i}")
-    if orphaned.is_set():
-        os._exit(0)  # (stdout's pipe is gone: an exit that flushes it would complain)
-    return 0
+    if orphaned.is_set():  # stdout's pipe is gone: the exit's flush of a line a failed write
+        os._exit(code)  # left in its buffer would print a BrokenPipeError
+    return code
 
 
 if __name__ == "__main__":
