@@ -73,3 +73,29 @@ def test_bench_int_rows_prints_a_row_per_type_and_row_count():
     for cells in rows:
         times = [float(c.split()[0]) for c in cells[3 : 3 + len(isas)]]
         assert len(cells) == 3 + 2 * len(isas) - 1 and all(math.isfinite(t) and t > 0 for t in times), cells
+
+
+def test_bench_spec_answers_print_speeds_and_lookups_ceiling(smollm2_path):
+    """Issue 30's benchmark: per prompt the two modes' speeds, then the ceiling: how many of the
+    plain answer's tokens the drafter could have predicted (n-grams down to 2, then down to 1,
+    never fewer), and the speed-up that would give with verification free."""
+    out = bench("bench_spec.py", "answers", "--rounds", "1", "--max-tokens", "8", "--kv", "k6v4")
+    assert "median ratio" in out, out
+    ceiling = out[out.index("predictable by lookup at best"):].splitlines()[1:]
+    assert len(ceiling) == 4, out
+    for line in ceiling:
+        tokens, hits2, bound2, hits1, bound1 = line.split()[-5:]
+        tokens, hits2, hits1 = int(tokens), int(hits2), int(hits1)
+        assert 0 < tokens <= 8 and 0 <= hits2 <= hits1 <= tokens, line
+        for hits, bound in ((hits2, bound2), (hits1, bound1)):
+            assert abs(float(bound.rstrip("x")) - tokens / max(1, tokens - hits)) < 0.01, line
+
+
+def test_bench_engine_prints_its_row_without_llama_cpp(smollm2_path):
+    """Without llama-cpp-python importable (never a dependency) the table still has our figures,
+    and the alternating pairs, which need it, are left out rather than failing."""
+    out = bench("bench_engine.py", "--cases", "smollm2-512", "--no-rss", "--decode", "4", "--rounds", "1",
+                "--prefill-pairs", "2", "--decode-pairs", "2")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| smollm2")]
+    assert len(rows) == 1 and float(rows[0][1]) > 0 and float(rows[0][2]) > 0, out
+    assert "alternating" not in out, out
