@@ -723,11 +723,12 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
             if amx:
                 ax = AmxIR(builder)
                 ax.configure({0: (GROUP, 64), 1: (GROUP, 64), 2: (GROUP, 64), 3: (GROUP, 64),
-                              4: (GROUP, 32), 5: (GROUP, 32), 6: (8, 64), 7: (8, 64)})
+                              4: (GROUP, 16 if per16 else 32), 5: (GROUP, 16 if per16 else 32),
+                              6: (4 if per16 else 8, 64), 7: (4 if per16 else 8, 64)})
                 # B: the group's code tiles (`amx_code_block` bytes per activation block), decoded
                 # once for every tile of x rows by `make_amx_code_tiles`, or (decode != 0: a few
                 # tiles of x rows) block by block here, between the float work of the blocks, into
-                # one slot at code_tiles (its zero rows written by the caller)
+                # one slot at code_tiles
                 b_ptr = data_pointer(context, builder, signature.args[6], args[6])
                 decode_here = builder.icmp_signed("!=", context.cast(builder, args[7], signature.args[7], types.int64),
                                                   c64(0))
@@ -777,23 +778,24 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                 1024 c, row i at 64 i), `sum_tile(e, lo)`, e the 16-value half (per16) or the block's
                 parity (consecutive blocks alternate tiles, so that one block's dot products need not
                 wait for the previous block's sums to be stored). xc0: row 0's activation bytes of
-                the block (split: 32 hi then 32 lo bytes; fast: 32 codes)."""
-                parts = (0, 1) if per16 else (parity,)
+                the block (split: 32 hi then 32 lo bytes; fast: 32 codes). Per 16 values (Q6_K,
+                Q3_K) each half is its own product of K = 16 (A: 16 bytes a row, B: 4 rows): against
+                one A tile of the block and two B tiles of 8 rows each with the other half's rows
+                zero, the same sums took ~10% longer (2048 x 8192, 512 rows, docs/performance.md)."""
                 b_block = v.gep(b_ptr, builder.mul(a, c64(amx_code_block(t))))
-                ax.load(4, xc0, x_stride)
-                ax.load(6, b_block, 64)
-                if per16:
-                    ax.load(7, v.gep(b_block, 512), 64)
-                if split:
-                    ax.load(5, v.gep(xc0, 32), x_stride)
-                for e in parts:
+                halves_parts = ((0, 0, 0), (1, 16, 256)) if per16 else ((parity, 0, 0),)
+                for e, x_at, b_at in halves_parts:  # (sum tile part, A and B byte offsets)
                     codes_tile = 6 + e if per16 else 6
+                    ax.load(4, v.gep(xc0, x_at), x_stride)
+                    ax.load(codes_tile, v.gep(b_block, b_at), 64)
+                    if split:
+                        ax.load(5, v.gep(xc0, 32 + x_at), x_stride)
                     ax.zero(sum_tile(e, 0))
                     ax.dot(sum_tile(e, 0), 4, codes_tile, a_signed=True, b_signed=signed_codes)  # hi or fast
                     if split:
                         ax.zero(sum_tile(e, 1))
                         ax.dot(sum_tile(e, 1), 5, codes_tile, a_signed=False, b_signed=signed_codes)  # lo
-                for e in parts:
+                for e, _, _ in halves_parts:
                     for lo in ((0, 1) if split else (0,)):
                         ax.store(sum_tile(e, lo), v.gep(c_ptr, 1024 * sum_tile(e, lo)), 64)
 
@@ -842,8 +844,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                             with builder.if_then(decode_here):
                                 _store_amx_codes(v, t, b_ptr, (_fast_code_vectors(v, t, gb, lanes, h, fixed)
                                                                if fixed is not None
-                                                               else _fast_k_code_vectors(v, t, gb, lanes, h, sub)),
-                                                 zero_rows=False)
+                                                               else _fast_k_code_vectors(v, t, gb, lanes, h, sub)))
                             tile_sums(builder.select(decode_here, c64(0), a), v.gep(x_rows[0], code_off), parity)
                         codes = [] if amx else (_fast_code_vectors(v, t, gb, lanes, h, fixed) if fixed is not None
                                                 else _fast_k_code_vectors(v, t, gb, lanes, h, sub))
@@ -969,11 +970,10 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
 
 
 def amx_code_block(t: IntType) -> int:
-    """Bytes of B tiles per activation block (`make_amx_code_tiles`): 8 rows of 64 bytes, 16
-    weight rows' 4 codes of one activation word each; per 16 values (Q6_K, Q3_K) two tiles, words
-    0..3 then 4 zero rows, and 4 zero rows then words 4..7, so that one A tile gives both halves'
-    sums."""
-    return 1024 if _per16(t) else 512
+    """Bytes of B tiles per activation block (`make_amx_code_tiles`): 8 rows of 64 bytes, row j
+    16 weight rows' 4 codes of activation word j (per 16 values, Q6_K and Q3_K, rows 0..3 and
+    4..7 are each half's tile of 4 rows)."""
+    return 512
 
 
 def _per16(t: IntType) -> bool:
@@ -987,22 +987,18 @@ def _amx_code_offset(t: IntType) -> int:
     return {"q6_k": 32, "q3_k": 4}.get(t.kind, t.offset if t.kind in ("nibbles", "q5") else 0)
 
 
-def _store_amx_codes(v, t: IntType, at, codes, zero_rows: bool = True):
-    """An activation block's B tiles at `at` from its code vectors (`_fast_code_vectors`, 16 rows):
-    signed c - offset where the type has an offset (Q4_0 8, Q5_0 16, Q6_K 32, Q3_K 4), Q8_0's
-    signed bytes as they are, else unsigned (the AMX kernels' sums then need no offset term);
-    per 16 values (Q6_K, Q3_K) words 0..3 and 4 zero rows, then 4 zero rows and words 4..7 (the
-    zero rows left as they are unless zero_rows)."""
-    per16, offset = _per16(t), _amx_code_offset(t)
+def _store_amx_codes(v, t: IntType, at, codes):
+    """An activation block's B tile rows at `at` from its code vectors (`_fast_code_vectors`, 16
+    rows; word j at 64 j): signed c - offset where the type has an offset (Q4_0 8, Q5_0 16, Q6_K
+    32, Q3_K 4), Q8_0's signed bytes as they are, else unsigned (the AMX kernels' sums then need
+    no offset term)."""
+    offset = _amx_code_offset(t)
     vi = vector_type(I32, GROUP)
     vb64 = vector_type(I8, 4 * GROUP)
     for w, word in codes:
         if offset:  # byte by byte
             w = v.b.bitcast(v.b.sub(v.b.bitcast(w, vb64), ir.Constant(vb64, [offset] * 4 * GROUP)), vi)
-        v.store(w, at, 64 * word + (512 if per16 and word >= 4 else 0), align=1)
-    if per16 and zero_rows:
-        for zero_at in range(256, 768, 64):
-            v.store(ir.Constant(vi, [0] * GROUP), at, zero_at, align=1)
+        v.store(w, at, 64 * word, align=1)
 
 
 def make_amx_code_tiles(t: IntType):
@@ -1169,8 +1165,8 @@ _cfunc_lock = threading.Lock()
 def _rows_template_amx(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0] // 16 * 16
     if T < AMX_DECODE_ONCE_ROWS:  # each block's codes decoded beside the float work of the last,
-        # into one slot (1024 bytes; the zero rows of Q6_K's and Q3_K's tiles written here, once)
-        slot = np.zeros(1024, np.uint8)
+        # into one slot (512 bytes)
+        slot = np.zeros(512, np.uint8)
         for g in range(r0 // 16, r1 // 16):
             for t in range(0, T, 16):
                 GDOT16(raw, xw, y, g, t, yoff, slot, 1)  # noqa: F821
