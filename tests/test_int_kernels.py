@@ -74,16 +74,19 @@ def test_fast_kernels_equal_their_emulation_at_int8_accuracy(qtype, isa):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_amx_tiles_equal_the_integer_emulation(qtype, fast):
     """16 rows of x at a time by AMX tiles (the rest by VNNI): 16, 17 and 33 rows (codes decoded
-    block by block), 49 and 80 (decoded once per weight group, AMX_DECODE_ONCE_ROWS), K with an
-    odd number of 32-value blocks (the tiles take blocks in pairs), bit-equal to the emulation;
-    and the AMX kernel really ran (its compute function was made for the type)."""
+    block by block below the type's `amx_decode_once_rows`), 49 and 80 (decoded once per weight
+    group), 12 and 46 (the last 12 and 14 rows as a tile with zero rows below them,
+    AMX_PAD_FROM), K with an odd number of 32-value blocks (the tiles take blocks in pairs),
+    bit-equal to the emulation; and the AMX kernel really ran (its compute function was made for
+    the type)."""
     if "avx512amx" not in INT_ISAS:
         pytest.skip("no AMX-INT8 tiles granted to this process")
     K = 256 * 3 if int_matvec.INT_TYPES[qtype].values == 256 else 32 * 25
     raw = blocks(qtype, 32, K, seed=5)
     mv = int_matvec.IntMatvec(qtype, raw, K, "avx512amx")
-    assert 33 < int_matvec.AMX_DECODE_ONCE_ROWS <= 48
-    for T in (16, 17, 33, 49, 80):
+    assert 16 <= int_matvec.amx_decode_once_rows(int_matvec.INT_TYPES[qtype]) <= 48
+    assert 0 < int_matvec.AMX_PAD_FROM < 16
+    for T in (12, 16, 17, 33, 46, 49, 80):
         x = activations(T, K, seed=T)
         y = mv(x, np.empty((T, 32), np.float32), fast)
         assert np.array_equal(bits(y), bits(int_reference.matvec(raw, qtype, x, fast=fast))), T

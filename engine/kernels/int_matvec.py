@@ -1057,10 +1057,24 @@ X_TILES = {"avx512amx": (8, 4, 2, 1), "avx512vnni": (8, 4, 2, 1), "avxvnni": (4,
 # AMX: 16 rows of x at a time by tiles (`make_group_dot_fast(amx=True)`). Fewer rows stay on the
 # VNNI kernels: tiles of 8 and 4 rows measured slower than them (docs/performance.md, 2026-12-07).
 AMX_ROWS = 16
-# From this many rows of x the AMX kernels decode a weight group's codes once for all its tiles of
-# x rows (`make_amx_code_tiles`); below, block by block beside the float work, as each block's
-# code vectors serve fewer tiles than a separate pass costs (docs/performance.md, 2026-12-07)
-AMX_DECODE_ONCE_ROWS = 48
+# A last AMX_PAD_FROM or more rows of x that do not fill a tile go to AMX as a whole tile, zero
+# rows below them, not to the VNNI kernels (fewer stay on VNNI): one 16-row tile of a 1B-shaped
+# matrix costs about what 12-14 rows of the VNNI kernels do (Q8_0 and Q4_0 12, Q6_K 13, Q4_K 14
+# alone; after whole tiles 10-12; docs/performance.md, 2026-12-07, fifth session). A chat prompt
+# of 46 tokens is 3 tiles, not 2 and 14 rows.
+AMX_PAD_FROM = 13
+
+
+def amx_decode_once_rows(t: IntType) -> int:
+    """From this many rows of x the AMX kernels decode a weight group's codes once for all its
+    tiles of x rows (`make_amx_code_tiles`); below, block by block beside the float work, as each
+    block's code vectors serve fewer tiles than a separate pass costs. Measured per type (one
+    1B-shaped matrix, 16 and 32 rows, exact and fast, docs/performance.md): the 32-value types
+    from 48 rows (decoding once made 16 rows 20-40% slower), the k-quants from 32 (8-15% faster
+    at 32 rows), the types with scales per 16 values (Q6_K, Q3_K) from 16."""
+    if _per16(t):
+        return 16
+    return 32 if t.values == 256 else 48
 
 # One intrinsic per (type, instruction set, rows of x at once)
 _GDOT = {(tt, isa, n): make_group_dot_exact(INT_TYPES[tt], isa, n)
@@ -1164,8 +1178,8 @@ _cfunc_lock = threading.Lock()
 # _arows_<type> / _afrows_<type> (exact / fast), GDOT16 their intrinsic (_a_<type> / _af_<type>).
 def _rows_template_amx(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0] // 16 * 16
-    if T < AMX_DECODE_ONCE_ROWS:  # each block's codes decoded beside the float work of the last,
-        # into one slot (512 bytes)
+    if T < DECODE_ONCE_ROWS:  # noqa: F821 (`amx_decode_once_rows`)
+        # each block's codes decoded beside the float work of the last, into one slot (512 bytes)
         slot = np.zeros(512, np.uint8)
         for g in range(r0 // 16, r1 // 16):
             for t in range(0, T, 16):
@@ -1188,6 +1202,7 @@ def _make_amx_kernels():
         # B tile bytes per byte of a row's GGUF blocks, rounded up (what `_rows_template_amx`
         # allocates: amx_code_block bytes per activation block)
         globals()[f"_amx_code_bytes_{tt.name.lower()}"] = -(-amx_code_block(t) * (t.values // 32) // t.nbytes)
+        globals()[f"_amx_once_rows_{tt.name.lower()}"] = amx_decode_once_rows(t)
         for fast in (False, True):
             stem = f"{'af' if fast else 'a'}_{tt.name.lower()}"
             gdot = (make_group_dot_fast(t, "avx512amx", AMX_ROWS, amx=True) if fast
@@ -1195,7 +1210,8 @@ def _make_amx_kernels():
             globals()[f"_{stem}"] = gdot
             loop = _kernel_copy(_rows_template_amx, f"_{stem}rows",
                                 {"GDOT16": f"_{stem}", "CODE_TILES": f"_amx_codes_{tt.name.lower()}",
-                                 "CODE_BYTES": f"_amx_code_bytes_{tt.name.lower()}"})
+                                 "CODE_BYTES": f"_amx_code_bytes_{tt.name.lower()}",
+                                 "DECODE_ONCE_ROWS": f"_amx_once_rows_{tt.name.lower()}"})
             rows[tt, fast] = globals()[loop.__name__] = njit(nogil=True, cache=True)(loop)
             computes[tt, fast] = _kernel_copy(_compute_template, f"_c{stem}", {"ROWS": loop.__name__})
     return computes, rows
@@ -1285,20 +1301,37 @@ class IntMatvec:
             compute = self.compute_fast
         else:
             compute = self.compute
-        if xw is None:
-            xw = int_dot.quantize_form(x, "fast" if fast else self.form)
         T = x.shape[0]
+        form = "fast" if fast else self.form
         # (AMX: whole tiles of rows, also in each slice of a long input; a matrix whose chunks
         # hold under AMX_ROWS rows of x in the pool's buffer stays on VNNI)
-        if self.amx is not None and T >= AMX_ROWS and BUF_VALUES // self.chunk >= AMX_ROWS:
+        tail = T % AMX_ROWS
+        if (self.amx is not None and (T >= AMX_ROWS or tail >= AMX_PAD_FROM)
+                and BUF_VALUES // self.chunk >= AMX_ROWS):
             amx = self._amx_compute(fast)
             if amx:  # whole tiles of rows by AMX, the rest below (a row's bits are the same either way)
-                whole = T // AMX_ROWS * AMX_ROWS
+                if tail >= AMX_PAD_FROM:  # the last rows as a whole tile: zero rows below them
+                    padded = T - tail + AMX_ROWS
+                    xw_padded = np.empty((padded, int_dot.form_words(form, x.shape[1])), np.float32)
+                    if xw is None:
+                        int_dot.quantize_form(x, form, xw_padded[:T])
+                    else:
+                        xw_padded[:T] = xw
+                    xw_padded[T:] = 0.0  # codes, scales and sums 0: a row of zeros
+                    out_padded = np.empty((padded, out.shape[1]), np.float32)
+                    self._rows(amx, xw_padded, out_padded, AMX_ROWS)
+                    out[:] = out_padded[:T]
+                    return out
+                if xw is None:
+                    xw = int_dot.quantize_form(x, form)
+                whole = T - tail
                 self._rows(amx, xw[:whole], out[:whole], AMX_ROWS)
                 if whole == T:
                     return out
                 self._rows(compute, xw[whole:], out[whole:])
                 return out
+        if xw is None:
+            xw = int_dot.quantize_form(x, form)
         if T <= BUF_VALUES // self.chunk:  # (a decode step, a batch: one job, no method call more)
             run_rows(compute, self.packed, xw, out, self.chunk, self.chunk * self.packed.shape[1] * T)
             return out
