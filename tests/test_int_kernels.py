@@ -76,7 +76,7 @@ def test_amx_tiles_equal_the_integer_emulation(qtype, fast):
     """16 rows of x at a time by AMX tiles (the rest by VNNI): 16, 17 and 33 rows (codes decoded
     block by block below the type's `amx_decode_once_rows`), 49 and 80 (decoded once per weight
     group), 12 and 46 (the last 12 and 14 rows as a tile with zero rows below them,
-    AMX_PAD_FROM), K with an odd number of 32-value blocks (the tiles take blocks in pairs),
+    AMX_PAD_FROM), 302 (slices of AMX_SLICE_ROWS, the last one's 14 rows padded), K with an odd number of 32-value blocks (the tiles take blocks in pairs),
     bit-equal to the emulation; and the AMX kernel really ran (its compute function was made for
     the type)."""
     if "avx512amx" not in INT_ISAS:
@@ -86,7 +86,8 @@ def test_amx_tiles_equal_the_integer_emulation(qtype, fast):
     mv = int_matvec.IntMatvec(qtype, raw, K, "avx512amx")
     assert 16 <= int_matvec.amx_decode_once_rows(int_matvec.INT_TYPES[qtype]) <= 48
     assert 0 < int_matvec.AMX_PAD_FROM < 16
-    for T in (12, 16, 17, 33, 46, 49, 80):
+    assert int_matvec.AMX_SLICE_ROWS % 16 == 0 and int_matvec.AMX_SLICE_ROWS < 302
+    for T in (12, 16, 17, 33, 46, 49, 80, 302):
         x = activations(T, K, seed=T)
         y = mv(x, np.empty((T, 32), np.float32), fast)
         assert np.array_equal(bits(y), bits(int_reference.matvec(raw, qtype, x, fast=fast))), T
