@@ -1082,6 +1082,7 @@ def amx_decode_once_rows(t: IntType) -> int:
         return 16
     return 32 if t.values == 256 else 48
 
+
 # One intrinsic per (type, instruction set, rows of x at once)
 _GDOT = {(tt, isa, n): make_group_dot_exact(INT_TYPES[tt], isa, n)
          for tt in INT_TYPES for isa in int_dot.ISA_LANES for n in X_TILES[isa]}
