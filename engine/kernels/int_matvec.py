@@ -1063,6 +1063,9 @@ AMX_ROWS = 16
 # alone; after whole tiles 10-12; docs/performance.md, 2026-12-07, fifth session). A chat prompt
 # of 46 tokens is 3 tiles, not 2 and 14 rows.
 AMX_PAD_FROM = 13
+# ... when the input is one slice (below AMX_SLICE_ROWS rows: a prompt, a prompt's last chunk) and
+# the padded output, a copy, is at most this big (not a long prompt's logits over a vocabulary)
+AMX_PAD_MAX_BYTES = 1 << 23
 # Long inputs go to the AMX kernels in slices of this many rows of x (each slice a pool job that
 # decodes every weight group's codes once for its tiles): each weight group reads all of a slice's
 # activations, and a 512-row slice of a 2,048-wide input (2.9 MB as hi and lo bytes) no longer
@@ -1317,8 +1320,11 @@ class IntMatvec:
                 and BUF_VALUES // self.chunk >= AMX_ROWS):
             amx = self._amx_compute(fast)
             if amx:  # whole tiles of rows by AMX, the rest below (a row's bits are the same either way)
-                if tail >= AMX_PAD_FROM:  # the last rows as a whole tile: zero rows below them
-                    padded = T - tail + AMX_ROWS
+                padded = T - tail + AMX_ROWS
+                if (tail >= AMX_PAD_FROM and T < AMX_SLICE_ROWS
+                        and padded * out.shape[1] * 4 <= AMX_PAD_MAX_BYTES):
+                    # the last rows as a whole tile, zero rows below them, in one call with the
+                    # others (one pass over the weights; into a copy of x and of the output)
                     xw_padded = np.empty((padded, int_dot.form_words(form, x.shape[1])), np.float32)
                     if xw is None:
                         int_dot.quantize_form(x, form, xw_padded[:T])
@@ -1332,7 +1338,8 @@ class IntMatvec:
                 if xw is None:
                     xw = int_dot.quantize_form(x, form)
                 whole = T - tail
-                self._rows(amx, xw[:whole], out[:whole], AMX_ROWS)
+                if whole:
+                    self._rows(amx, xw[:whole], out[:whole], AMX_ROWS)
                 if whole == T:
                     return out
                 self._rows(compute, xw[whole:], out[whole:])
