@@ -725,7 +725,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                 ax.configure({0: (GROUP, 64), 1: (GROUP, 64), 2: (GROUP, 64), 3: (GROUP, 64),
                               4: (GROUP, 16 if per16 else 32), 5: (GROUP, 16 if per16 else 32),
                               6: (4 if per16 else 8, 64), 7: (4 if per16 else 8, 64)})
-                # B: the group's code tiles (`amx_code_block` bytes per activation block), decoded
+                # B: the group's code tiles (`AMX_CODE_BLOCK` bytes per activation block), decoded
                 # once for every tile of x rows by `make_amx_code_tiles`, or (decode != 0: a few
                 # tiles of x rows) block by block here, between the float work of the blocks, into
                 # one slot at code_tiles
@@ -782,7 +782,7 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
                 Q3_K) each half is its own product of K = 16 (A: 16 bytes a row, B: 4 rows): against
                 one A tile of the block and two B tiles of 8 rows each with the other half's rows
                 zero, the same sums took ~10% longer (2048 x 8192, 512 rows, docs/performance.md)."""
-                b_block = v.gep(b_ptr, builder.mul(a, c64(amx_code_block(t))))
+                b_block = v.gep(b_ptr, builder.mul(a, c64(AMX_CODE_BLOCK)))
                 halves_parts = ((0, 0, 0), (1, 16, 256)) if per16 else ((parity, 0, 0),)
                 for e, x_at, b_at in halves_parts:  # (sum tile part, A and B byte offsets)
                     codes_tile = 6 + e if per16 else 6
@@ -969,11 +969,10 @@ def make_group_dot_fast(t: IntType, isa: str, n: int, split: bool = False, amx: 
     return intrinsic(gdot_vector)
 
 
-def amx_code_block(t: IntType) -> int:
-    """Bytes of B tiles per activation block (`make_amx_code_tiles`): 8 rows of 64 bytes, row j
-    16 weight rows' 4 codes of activation word j (per 16 values, Q6_K and Q3_K, rows 0..3 and
-    4..7 are each half's tile of 4 rows)."""
-    return 512
+# Bytes of B tiles per activation block (`make_amx_code_tiles`), every type: 8 rows of 64 bytes,
+# row j 16 weight rows' 4 codes of activation word j (per 16 values, Q6_K and Q3_K, rows 0..3 and
+# 4..7 are each half's tile of 4 rows)
+AMX_CODE_BLOCK = 512
 
 
 def _per16(t: IntType) -> bool:
@@ -1003,14 +1002,13 @@ def _store_amx_codes(v, t: IntType, at, codes):
 
 def make_amx_code_tiles(t: IntType):
     """An intrinsic (raw, g, out): weight group g's codes as AMX B tiles (`_store_amx_codes`) for
-    every activation block of its rows, block a at out[a * amx_code_block(t):] (uint8,
+    every activation block of its rows, block a at out[a * AMX_CODE_BLOCK:] (uint8,
     C-contiguous, at least blocks per row x that). The AMX kernels multiply one group's tiles with
     every 16 rows of x: decoding them once per group, not once per 16 rows, and reading them from
     memory written long before, not from stores just issued (a tile load cannot take data from the
     store buffer: it waits for the stores to reach the cache), took a 512-row Q4_0 product from 32
     to ~26 ms in the fast mode (docs/performance.md)."""
     subs = t.values // 32
-    block_bytes = amx_code_block(t)
 
     @intrinsic
     def code_tiles(typingctx, raw, g, out):
@@ -1029,7 +1027,7 @@ def make_amx_code_tiles(t: IntType):
                 gb = v.gep(group_base, builder.mul(loop.index, c64(t.group_block)))
                 for sub in range(subs):
                     at = v.gep(op, builder.mul(builder.add(builder.mul(loop.index, c64(subs)), c64(sub)),
-                                               c64(block_bytes)))
+                                               c64(AMX_CODE_BLOCK)))
                     _store_amx_codes(v, t, at, _fast_code_vectors(v, t, gb, GROUP, 0, sub))
             return context.get_dummy_value()
 
@@ -1189,8 +1187,8 @@ _cfunc_lock = threading.Lock()
 def _rows_template_amx(raw, xw, y, r0, r1, yoff):
     T = xw.shape[0] // 16 * 16
     if T < DECODE_ONCE_ROWS:  # noqa: F821 (`amx_decode_once_rows`)
-        # each block's codes decoded beside the float work of the last, into one slot (512 bytes)
-        slot = np.zeros(512, np.uint8)
+        # each block's codes decoded beside the float work of the last, into one slot
+        slot = np.zeros(AMX_CODE_BLOCK, np.uint8)
         for g in range(r0 // 16, r1 // 16):
             for t in range(0, T, 16):
                 GDOT16(raw, xw, y, g, t, yoff, slot, 1)  # noqa: F821
@@ -1210,8 +1208,8 @@ def _make_amx_kernels():
         t = INT_TYPES[tt]
         globals()[f"_amx_codes_{tt.name.lower()}"] = make_amx_code_tiles(t)
         # B tile bytes per byte of a row's GGUF blocks, rounded up (what `_rows_template_amx`
-        # allocates: amx_code_block bytes per activation block)
-        globals()[f"_amx_code_bytes_{tt.name.lower()}"] = -(-amx_code_block(t) * (t.values // 32) // t.nbytes)
+        # allocates: AMX_CODE_BLOCK bytes per activation block)
+        globals()[f"_amx_code_bytes_{tt.name.lower()}"] = -(-AMX_CODE_BLOCK * (t.values // 32) // t.nbytes)
         globals()[f"_amx_once_rows_{tt.name.lower()}"] = amx_decode_once_rows(t)
         for fast in (False, True):
             stem = f"{'af' if fast else 'a'}_{tt.name.lower()}"
