@@ -370,11 +370,8 @@ class LinearGroup:
             if len({(m.in_features, m.isa, m.form) for m in matvecs}) == 1:
                 self._joint = int_matvec.IntMatvecGroup(matvecs)
                 self._spans = [(a, b) for a, b in zip(self._joint.bounds, self._joint.bounds[1:])]
-                # rows of x the pool shares in one job (more run alone: as separate products; with
-                # AMX, from int_matvec.AMX_PAD_FROM rows, whose tiles beat the VNNI kernels)
-                self._joint_rows = min(QuantLinear.MATVEC_MAX_ROWS, int_matvec.BUF_VALUES // self._joint.chunk)
-                if matvecs[0].amx is not None:
-                    self._joint_rows = min(self._joint_rows, int_matvec.AMX_PAD_FROM - 1)
+                # rows of x the pool shares in one job (more run alone: as separate products)
+                self._joint_rows = min(QuantLinear.MATVEC_MAX_ROWS, self._joint.max_rows)
 
     def __call__(self, x: np.ndarray) -> list:
         joint = self._joint

@@ -1311,44 +1311,48 @@ class IntMatvec:
             compute = self.compute
         T = x.shape[0]
         form = "fast" if fast else self.form
-        # (AMX: whole tiles of rows, also in each slice of a long input; a matrix whose chunks
-        # hold under AMX_ROWS rows of x in the pool's buffer stays on VNNI)
+        amx = self._amx_for(T, fast)
         tail = T % AMX_ROWS
-        if (self.amx is not None and (T >= AMX_ROWS or tail >= AMX_PAD_FROM)
-                and BUF_VALUES // self.chunk >= AMX_ROWS):
-            amx = self._amx_compute(fast)
-            if amx:  # whole tiles of rows by AMX, the rest below (a row's bits are the same either way)
-                padded = T - tail + AMX_ROWS
-                if (tail >= AMX_PAD_FROM and T < AMX_SLICE_ROWS
-                        and padded * out.shape[1] * 4 <= AMX_PAD_MAX_BYTES):
-                    # the last rows as a whole tile, zero rows below them, in one call with the
-                    # others (one pass over the weights; into a copy of x and of the output)
-                    xw_padded = np.empty((padded, int_dot.form_words(form, x.shape[1])), np.float32)
-                    if xw is None:
-                        int_dot.quantize_form(x, form, xw_padded[:T])
-                    else:
-                        xw_padded[:T] = xw
-                    xw_padded[T:] = 0.0  # codes, scales and sums 0: a row of zeros
-                    out_padded = np.empty((padded, out.shape[1]), np.float32)
-                    self._rows(amx, xw_padded, out_padded, AMX_ROWS)
-                    out[:] = out_padded[:T]
-                    return out
-                if xw is None:
-                    xw = int_dot.quantize_form(x, form)
-                whole = T - tail
-                if whole:
-                    self._rows(amx, xw[:whole], out[:whole], AMX_ROWS)
-                if whole == T:
-                    return out
-                self._rows(compute, xw[whole:], out[whole:])
-                return out
-        if xw is None:
-            xw = int_dot.quantize_form(x, form)
-        if T <= BUF_VALUES // self.chunk:  # (a decode step, a batch: one job, no method call more)
-            run_rows(compute, self.packed, xw, out, self.chunk, self.chunk * self.packed.shape[1] * T)
+        # the last rows as a whole AMX tile, zero rows below them, in one call with the others (one
+        # pass over the weights): for an input of one slice whose padded output, a copy, is small
+        pad = (AMX_ROWS - tail if amx and tail >= AMX_PAD_FROM and T < AMX_SLICE_ROWS
+               and (T + AMX_ROWS - tail) * out.shape[1] * 4 <= AMX_PAD_MAX_BYTES else 0)
+        if xw is None or pad:
+            quantized = np.empty((T + pad, int_dot.form_words(form, x.shape[1])), np.float32)
+            if xw is None:
+                int_dot.quantize_form(x, form, quantized[:T])
+            else:
+                quantized[:T] = xw
+            quantized[T:] = 0.0  # codes, scales and sums 0: rows of zeros
+            xw = quantized
+        if pad:
+            padded_out = np.empty((T + pad, out.shape[1]), np.float32)
+            self._rows(amx, xw, padded_out, amx=True)
+            out[:] = padded_out[:T]
             return out
-        self._rows(compute, xw, out)
+        # whole tiles of rows by AMX, the rest by VNNI (a row's bits are the same either way)
+        whole = T - tail if amx else 0
+        if whole:
+            self._rows(amx, xw[:whole], out[:whole], amx=True)
+            if whole == T:
+                return out
+            xw, out_rest = xw[whole:], out[whole:]
+        else:
+            out_rest = out
+        if T - whole <= BUF_VALUES // self.chunk:  # (a decode step, a batch: one job, no method call more)
+            run_rows(compute, self.packed, xw, out_rest, self.chunk, self.chunk * self.packed.shape[1] * (T - whole))
+        else:
+            self._rows(compute, xw, out_rest)
         return out
+
+    def _amx_for(self, T: int, fast: bool) -> int:
+        """The AMX compute function's address for T rows of x, or 0: VNNI for all of them (no
+        AMX, too few rows, chunks holding under AMX_ROWS rows of x in the pool's buffer, or the
+        type's AMX kernels still compiling)."""
+        if (self.amx is None or (T < AMX_ROWS and T % AMX_ROWS < AMX_PAD_FROM)
+                or BUF_VALUES // self.chunk < AMX_ROWS):
+            return 0
+        return self._amx_compute(fast)
 
     def _amx_compute(self, fast: bool) -> int:
         """The AMX compute function's address, or 0 while the type's exact kernels are still being
@@ -1363,14 +1367,15 @@ class IntMatvec:
             address = self.amx[fast] = amx_compute_address(self.ggml_type, fast)
         return address
 
-    def _rows(self, compute: int, xw: np.ndarray, out: np.ndarray, multiple: int = 1) -> None:
+    def _rows(self, compute: int, xw: np.ndarray, out: np.ndarray, amx: bool = False) -> None:
         # the pool shares a job of at most BUF_VALUES outputs per chunk: a long prompt goes in
         # slices of rows of x (the kernels compute a row the same in any batch, so slicing changes
-        # no bit), each a multiple of `multiple` rows
+        # no bit); for AMX (`compute` an AMX kernel) whole tiles of rows, at most AMX_SLICE_ROWS
         # (a decode step or a batch, one job, goes to run_rows straight from __call__)
         T = xw.shape[0]
+        multiple = AMX_ROWS if amx else 1
         step = max(multiple, BUF_VALUES // self.chunk // multiple * multiple)
-        if multiple == AMX_ROWS:
+        if amx:
             step = min(step, AMX_SLICE_ROWS)
         for t0 in range(0, T, step):
             t1 = min(t0 + step, T)
@@ -1445,6 +1450,11 @@ class IntMatvecGroup:
         self.n_rows = self.bounds[-1]
         self.chunk = min(m.chunk for m in matvecs)  # whole groups of GROUP rows, as each matrix's
         self.chunk_bytes = self.chunk * max(m.packed.shape[1] for m in matvecs)
+        # rows of x a joint job takes: what the pool's buffer holds, and with AMX fewer than
+        # AMX_PAD_FROM (from there each matrix's own product takes AMX tiles, faster than VNNI)
+        self.max_rows = BUF_VALUES // self.chunk
+        if matvecs[0].amx is not None:
+            self.max_rows = min(self.max_rows, AMX_PAD_FROM - 1)
         self._tables: dict[bool, np.ndarray] = {}  # fast -> segment table
 
     def table(self, fast: bool) -> np.ndarray:
