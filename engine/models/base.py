@@ -36,19 +36,20 @@ ACTIVATION_PIECE_VALUES = 65536
 
 def gated(activation, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """activation(gate) * up for (T, ffn) float32 arrays, the same operations row by row; long
-    inputs in pieces of rows taken by this thread and the helper (`kernels.helper.share`)."""
+    inputs in pieces of rows taken by this thread and the helper (`kernels.helper.share`), each
+    written over its rows of gate (gate is consumed): a 512-token prefill's gate, up and output
+    of a 1B shape are 16 MiB each, and the third array set the process's peak memory."""
     T = gate.shape[0]
     if gate.ndim != 2 or T < SHARED_ACTIVATION_ROWS:
         h = activation(gate)
         h *= up
         return h
-    out = np.empty_like(gate)
 
-    def piece(r0: int, r1: int) -> None:
-        np.multiply(activation(gate[r0:r1]), up[r0:r1], out=out[r0:r1])
+    def piece(r0: int, r1: int) -> None:  # (activation() reads its rows before they are written)
+        np.multiply(activation(gate[r0:r1]), up[r0:r1], out=gate[r0:r1])
 
     helper.share_rows(piece, T, max(1, ACTIVATION_PIECE_VALUES // gate.shape[1]))
-    return out
+    return gate
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -70,7 +71,9 @@ class GatedMLP:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         gate, up = self.gate_up(x)
-        return self.ffn_down(gated(self.activation, gate, up))
+        h = gated(self.activation, gate, up)
+        del gate, up  # (up is not needed by the down product; h may be gate's buffer)
+        return self.ffn_down(h)
 
 
 def rope_tables(positions: np.ndarray, dim: int, base: float, freq_scale: float = 1.0,
